@@ -1,0 +1,50 @@
+"""paged_sparse_attn: block-sparse attention over a paged KV cache, computed KV-outer.
+
+The numpy backend is the executable spec; optional backends (``wgpu``) are imported lazily:
+``import paged_sparse_attn`` imports numpy and nothing else heavy.
+"""
+
+from __future__ import annotations
+
+from ._api import build_kvouter_index, combine_partials, forward, forward_partials
+from ._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from .backends.base import Backend
+from .errors import (
+    BackendUnavailableError,
+    DeviceError,
+    PagedSparseAttnError,
+    SpecError,
+    UnsupportedError,
+)
+from .reference import dense_reference, lse_from_base2, lse_to_base2, merge_states
+from .registry import get_backend, list_backends, register_backend, use_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "forward",
+    "forward_partials",
+    "combine_partials",
+    "build_kvouter_index",
+    "dense_reference",
+    "merge_states",
+    "lse_to_base2",
+    "lse_from_base2",
+    "list_backends",
+    "get_backend",
+    "register_backend",
+    "use_backend",
+    "Backend",
+    "Availability",
+    "Capabilities",
+    "DeviceArray",
+    "KVOuterIndex",
+    "Partials",
+    "Problem",
+    "PagedSparseAttnError",
+    "SpecError",
+    "UnsupportedError",
+    "BackendUnavailableError",
+    "DeviceError",
+    "__version__",
+]

@@ -1,0 +1,208 @@
+"""The public functions: validate -> resolve backend -> check capabilities -> run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._index import build_index_arrays
+from ._types import Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from ._validation import (
+    check_float_array,
+    check_softmax_scale,
+    validate_forward,
+    validate_index,
+    validate_index_inputs,
+    validate_partials,
+)
+from .backends.base import Backend
+from .errors import UnsupportedError
+from .registry import resolve_backend
+
+__all__ = ["forward", "forward_partials", "combine_partials", "build_kvouter_index", "check_capabilities"]
+
+
+def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...], head_dim: int,
+                       page_size: int, block_size: int, device_arrays: bool) -> None:
+    """Raise UnsupportedError (R18) if ``backend`` cannot run a valid problem of this kind."""
+    caps: Capabilities = backend.capabilities
+    why = None
+    for dt in dtypes:
+        if np.dtype(dt).name not in caps.dtypes:
+            why = f"dtype {np.dtype(dt).name} is not supported (supported: {', '.join(caps.dtypes)})"
+    if caps.max_head_dim is not None and head_dim > caps.max_head_dim:
+        why = f"head_dim {head_dim} exceeds its maximum {caps.max_head_dim}"
+    if caps.max_page_size is not None and page_size > caps.max_page_size:
+        why = f"page_size {page_size} exceeds its maximum {caps.max_page_size}"
+    if caps.max_block_size is not None and block_size > caps.max_block_size:
+        why = f"block_size {block_size} exceeds its maximum {caps.max_block_size}"
+    if device_arrays and not caps.device_arrays:
+        why = "it does not accept device-resident arrays"
+    if why:
+        raise UnsupportedError(f"{fn}(): backend {backend.name!r} cannot run this problem: {why} [R18]")
+
+
+def _check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
+    dev = False
+    for a in arrays:
+        if isinstance(a, DeviceArray):
+            dev = True
+            if a.backend is not backend:
+                raise UnsupportedError(
+                    f"{fn}(): a device array of {a.backend!r} was passed to backend {backend.name!r}; "
+                    "use the backend that holds it or pass host arrays [R18]")
+    return dev
+
+
+def _run_checks(backend: Backend, fn: str, p: Problem) -> None:
+    dev = _check_owner(backend, fn, p.k_cache, p.v_cache)
+    check_capabilities(backend, fn, dtypes=(p.q.dtype, p.cache_dtype), head_dim=p.head_dim,
+                       page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
+
+
+def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens=None,
+            block_size, softmax_scale=None, causal=False, backend=None, return_lse=False):
+    """Block-sparse attention over a paged KV cache (R9-R11), computed KV-outer (R13-R15).
+
+    Parameters
+    ----------
+    q : array [Tq, Hq, D], float32 or float16
+        Packed queries of all sequences.
+    k_cache, v_cache : array [P, Hkv, S, D], same shape and dtype (float32 or float16)
+        Paged caches (S = page size), or device-resident handles of the backend.
+    block_tables : int array [B, max_pages]
+        Physical page of each logical page, -1 = unmapped (R2).
+    selected : int array [Tq, Hkv, topk]
+        Selected block ids per query and KV head, -1 = empty slot, unique per row (R6).
+    cu_seqlens_q : int array [B + 1]
+        Query offsets of the sequences (R3).
+    used_kv_lens : int array [B], optional
+        KV length L_b of each sequence; default ``msb * block_size`` (R4).
+    block_size : int
+        Positive multiple of the page size (R5).
+    softmax_scale : float, optional
+        Default ``1 / sqrt(D)`` (R8).
+    causal : bool
+        Right-aligned causal mask: query i of T_b sees positions ``<= L_b - T_b + i`` (R9).
+    backend : str, Backend or None
+        None: the default backend (``"numpy"``, see :func:`use_backend`), or the backend holding
+        device-resident caches.
+    return_lse : bool
+        Also return the natural-log LSE.
+
+    Returns
+    -------
+    out : ndarray float32 [Tq, Hq, D]
+        0 for queries whose attended set is empty.
+    lse : ndarray float32 [Tq, Hq]
+        Only with ``return_lse=True``; -inf for empty sets.
+
+    Raises
+    ------
+    SpecError
+        An input violates R1-R8 (before any backend work).
+    UnsupportedError
+        The backend cannot run this valid problem (R18).
+    BackendUnavailableError
+        The backend is unknown or cannot run here.
+    """
+    p = validate_forward("forward", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
+                         used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
+                         causal=causal)
+    be = resolve_backend(backend, p.k_cache, p.v_cache)
+    _run_checks(be, "forward", p)
+    index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
+                               block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    out, lse = be.forward(p, index)
+    return (out, lse) if return_lse else out
+
+
+def build_kvouter_index(selected, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
+                        page_size, causal=False) -> KVOuterIndex:
+    """Invert a selection into the KV-outer edge list (R13).
+
+    Parameters
+    ----------
+    selected : int array [Tq, Hkv, topk]
+    block_tables : int array [B, max_pages]
+    cu_seqlens_q : int array [B + 1]
+    used_kv_lens : int array [B], optional
+    block_size, page_size : int
+    causal : bool
+
+    Returns
+    -------
+    KVOuterIndex
+        Edges ordered by KV head, then slot (b, s), then query t; one edge per kept entry
+        (a real block, not entirely >= L_b, and with causal not entirely in the future).
+    """
+    sel, bt, cu, lens, bs, s, c = validate_index_inputs(
+        "build_kvouter_index", selected, block_tables, cu_seqlens_q, used_kv_lens,
+        block_size=block_size, page_size=page_size, causal=causal)
+    return build_index_arrays(sel, bt, cu, lens, block_size=bs, page_size=s, causal=c)
+
+
+def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, backend=None) -> Partials:
+    """Per-(edge, query head) online-softmax partials (R14).
+
+    Parameters
+    ----------
+    q : array [Tq, Hq, D]
+    k_cache, v_cache : array [P, Hkv, S, D] (or device-resident handles)
+    index : KVOuterIndex
+        From :func:`build_kvouter_index` with the same page size.
+    softmax_scale : float, optional
+    backend : str, Backend or None
+
+    Returns
+    -------
+    Partials
+        ``o`` float32 [E, G, D], ``m`` float32 [E, G], ``l`` float32 [E, G], in index edge order;
+        an edge that attends nothing has ``m = -inf``, ``l = 0``, ``o = 0``.
+    """
+    fn = "forward_partials"
+    q = check_float_array(q, fn, "q", 3)
+    k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
+    v_cache = check_float_array(v_cache, fn, "v_cache", 4, allow_device=True)
+    if tuple(k_cache.shape) != tuple(v_cache.shape) or np.dtype(k_cache.dtype) != np.dtype(v_cache.dtype):
+        from ._validation import _fail
+
+        raise _fail(fn, "k_cache and v_cache must have the same shape and dtype, got "
+                    f"{tuple(k_cache.shape)} {np.dtype(k_cache.dtype).name} and "
+                    f"{tuple(v_cache.shape)} {np.dtype(v_cache.dtype).name}", "R1")
+    P, Hkv, S, D = k_cache.shape
+    from ._validation import _fail
+
+    if Hkv < 1 or q.shape[1] < 1 or q.shape[1] % Hkv or q.shape[2] != D or D < 1:
+        raise _fail(fn, f"q {q.shape} and k_cache {tuple(k_cache.shape)} must satisfy Hq % Hkv == 0 and equal head_dim >= 1", "R1")
+    index = validate_index(fn, index, num_queries=q.shape[0], num_kv_heads=Hkv, page_size=S, num_pages=P)
+    scale = check_softmax_scale(softmax_scale, D, fn)
+    p = Problem(q, k_cache, v_cache, index.block_tables, np.zeros((q.shape[0], Hkv, 0), np.int32),
+                index.cu_seqlens_q, index.used_kv_lens, index.block_size, scale, index.causal)
+    be = resolve_backend(backend, k_cache, v_cache)
+    _run_checks(be, fn, p)
+    return be.forward_partials(p, index)
+
+
+def combine_partials(partials, index) -> tuple[np.ndarray, np.ndarray]:
+    """Merge partials into attention (R15).
+
+    Parameters
+    ----------
+    partials : Partials
+        ``o`` [E, G, D], ``m`` [E, G], ``l`` [E, G].
+    index : KVOuterIndex
+        The index the partials were computed for.
+
+    Returns
+    -------
+    out : ndarray float32 [Tq, Hq, D]
+    lse : ndarray float32 [Tq, Hq]
+        Natural log; rows with no non-empty edge give ``out = 0``, ``lse = -inf``.
+    """
+    index = validate_index("combine_partials", index)
+    partials = validate_partials("combine_partials", partials, index)
+    from ._combine import combine_partials_numpy
+
+    return combine_partials_numpy(partials, index)

@@ -1,0 +1,259 @@
+"""Plain data records shared by the API, the validation and the backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = [
+    "Availability",
+    "Capabilities",
+    "KVOuterIndex",
+    "Partials",
+    "Problem",
+    "DeviceArray",
+]
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here (the result of a probe, which never raises).
+
+    Attributes
+    ----------
+    ok : bool
+        True when the backend can be instantiated and run.
+    reason : str
+        What was found (``"ok: <device>"``) or, when ``ok`` is False, what to do about it.
+    """
+
+    ok: bool
+    reason: str
+
+    def __bool__(self) -> bool:  # so that ``if avail:`` reads naturally
+        return self.ok
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run, as data (house rule: capabilities are data, not try/except).
+
+    Attributes
+    ----------
+    dtypes : tuple of str
+        Cache (and query) dtypes the backend runs, e.g. ``("float32", "float16")``.
+    max_head_dim : int or None
+        Largest head dimension D, None for no limit.
+    max_page_size : int or None
+        Largest page size S, None for no limit.
+    max_block_size : int or None
+        Largest block size BS, None for no limit.
+    device_arrays : bool
+        Whether the backend accepts device-resident caches (:class:`DeviceArray`).
+    deterministic : bool
+        Same bits for the same inputs on the same device (R19).
+    features : frozenset of str
+        Device features that matter (``"shader-f16"``, ``"subgroup"``, ``"timestamp-query"``).
+    limits : mapping
+        Device limits that matter (max storage binding, workgroup memory, ...).
+    device : str
+        Human-readable device description.
+    """
+
+    dtypes: tuple[str, ...] = ("float32", "float16")
+    max_head_dim: int | None = None
+    max_page_size: int | None = None
+    max_block_size: int | None = None
+    device_arrays: bool = False
+    deterministic: bool = True
+    features: frozenset[str] = frozenset()
+    limits: Mapping[str, int] = field(default_factory=dict)
+    device: str = "cpu"
+
+
+class DeviceArray:
+    """Base class of arrays that live on a backend's device (e.g. an uploaded paged cache).
+
+    Validation only needs ``shape`` and ``dtype``; the values stay on the device. ``forward()``
+    accepts a DeviceArray wherever it accepts ``k_cache`` / ``v_cache``; the backend that owns it
+    is used when ``backend=None``.
+
+    Attributes
+    ----------
+    shape : tuple of int
+    dtype : numpy.dtype
+    backend : Backend
+        The backend instance whose device holds the data.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    backend: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """A validated forward problem (R1-R8); built only by the validation layer.
+
+    Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float array, the caches are
+    numpy arrays or :class:`DeviceArray` handles.
+    """
+
+    q: np.ndarray  # [Tq, Hq, D]
+    k_cache: Any  # [P, Hkv, S, D]
+    v_cache: Any  # [P, Hkv, S, D]
+    block_tables: np.ndarray  # [B, max_pages] int32
+    selected: np.ndarray  # [Tq, Hkv, topk] int32
+    cu_seqlens_q: np.ndarray  # [B+1] int32
+    used_kv_lens: np.ndarray  # [B] int32
+    block_size: int
+    softmax_scale: float
+    causal: bool
+
+    @property
+    def num_queries(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def msb(self) -> int:
+        return self.block_tables.shape[1] // (self.block_size // self.page_size)
+
+    @property
+    def topk(self) -> int:
+        return self.selected.shape[2]
+
+    @property
+    def cache_dtype(self) -> np.dtype:
+        return np.dtype(self.k_cache.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class KVOuterIndex:
+    """The inverted selection of R13: one edge per kept ``(t, h, rank)`` entry of ``selected``.
+
+    Edges are ordered by KV head ``h``, then slot ``(b, s)`` ascending, then query ``t``
+    ascending, so all queries that chose one block are adjacent (a *slot group*) and the block's
+    K/V can be loaded once for all of them and all G query heads of the group.
+
+    All arrays are int32 and C-contiguous. E = number of edges, n_slots = number of slot groups.
+
+    Attributes
+    ----------
+    edge_query : ndarray [E]
+        Packed query index t of each edge.
+    edge_head : ndarray [E]
+        KV head h.
+    edge_seq : ndarray [E]
+        Sequence b of the query.
+    edge_block : ndarray [E]
+        Sparse block id s.
+    edge_rank : ndarray [E]
+        Slot position of the edge in ``selected[t, h, :]``.
+    edge_len : ndarray [E]
+        Number of leading positions of the block the edge may attend, in ``[1, block_size]``:
+        ``min(block_size, hi_t - s * block_size)`` with ``hi_t = L_b`` (or, causal,
+        ``min(L_b, L_b - T_b + i + 1)``). Unmapped pages inside that range are still skipped.
+    slot_ptr : ndarray [n_slots + 1]
+        Edges of slot group g are ``slot_ptr[g]:slot_ptr[g+1]``.
+    slot_head, slot_seq, slot_block : ndarray [n_slots]
+        The (h, b, s) of each slot group.
+    row_ptr : ndarray [Tq * Hkv + 1]
+        Edges of row ``r = t * Hkv + h`` are ``row_edges[row_ptr[r]:row_ptr[r+1]]``, in rank order.
+    row_edges : ndarray [E]
+        Edge ids grouped by row (the inverse view used by the combine, R15).
+    block_tables, cu_seqlens_q, used_kv_lens : ndarray
+        The validated int32 inputs the index was built from (kernels need the page map).
+    num_queries, num_kv_heads, block_size, page_size, msb : int
+    causal : bool
+    """
+
+    edge_query: np.ndarray
+    edge_head: np.ndarray
+    edge_seq: np.ndarray
+    edge_block: np.ndarray
+    edge_rank: np.ndarray
+    edge_len: np.ndarray
+    slot_ptr: np.ndarray
+    slot_head: np.ndarray
+    slot_seq: np.ndarray
+    slot_block: np.ndarray
+    row_ptr: np.ndarray
+    row_edges: np.ndarray
+    block_tables: np.ndarray
+    cu_seqlens_q: np.ndarray
+    used_kv_lens: np.ndarray
+    num_queries: int
+    num_kv_heads: int
+    block_size: int
+    page_size: int
+    msb: int
+    causal: bool
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.edge_query.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slot_head.shape[0])
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.block_size // self.page_size
+
+    def edge_rows(self) -> np.ndarray:
+        """Row id ``t * Hkv + h`` of every edge, shape [E]."""
+        return self.edge_query.astype(np.int64) * self.num_kv_heads + self.edge_head
+
+
+@dataclass(frozen=True, eq=False)
+class Partials:
+    """Per-(edge, query head in group) online-softmax partials (R14).
+
+    Attributes
+    ----------
+    o : ndarray float32 [E, G, D]
+        Unnormalised ``sum exp(score - m) v``.
+    m : ndarray float32 [E, G]
+        Max scaled score over the edge's attended positions; ``-inf`` if it attends nothing.
+    l : ndarray float32 [E, G]
+        ``sum exp(score - m)``; 0 if the edge attends nothing.
+    """
+
+    o: np.ndarray
+    m: np.ndarray
+    l: np.ndarray  # noqa: E741  (the paper's name)

@@ -1,0 +1,337 @@
+"""Input validation: one check per rule, each raising SpecError with the rule id (R1-R8, R17).
+
+Validation runs once, in the public functions, before any backend or device work. Nothing here
+casts lossily: integer index arrays are converted to int32 only after their values are checked
+to fit (R7); float arrays of another dtype are refused, not converted.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any
+
+import numpy as np
+
+from ._types import DeviceArray, KVOuterIndex, Partials, Problem
+from .errors import SpecError
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "as_array",
+    "check_float_array",
+    "check_int_array",
+    "check_block_size",
+    "check_softmax_scale",
+    "check_causal",
+    "check_layout",
+    "validate_forward",
+    "validate_index_inputs",
+    "validate_index",
+    "validate_partials",
+]
+
+_I32 = np.iinfo(np.int32)
+
+
+def _float_dtypes() -> tuple[np.dtype, ...]:
+    dts = [np.dtype(np.float32), np.dtype(np.float16)]
+    try:  # bfloat16 only where ml_dtypes provides it (R7)
+        import ml_dtypes  # type: ignore
+
+        dts.append(np.dtype(ml_dtypes.bfloat16))
+    except Exception:
+        pass
+    return tuple(dts)
+
+
+FLOAT_DTYPES = _float_dtypes()
+
+
+def _fail(fn: str, msg: str, rule: str) -> SpecError:
+    return SpecError(f"{fn}(): {msg} [{rule}]", rule)
+
+
+def as_array(x: Any, fn: str, name: str, rule: str) -> Any:
+    """Return ``x`` as a numpy array (no copy when it already is one), or a DeviceArray as is.
+
+    Accepts numpy arrays, anything with ``__array__`` and DLPack producers (torch CPU tensors,
+    JAX arrays): those are viewed without a copy where numpy can. Python scalars and lists are
+    refused for arrays (they carry no dtype, R7).
+    """
+    if isinstance(x, (np.ndarray, DeviceArray)):
+        return x
+    if x is None or isinstance(x, (list, tuple, numbers.Number, str, bytes)):
+        raise _fail(fn, f"{name} must be an array, got {type(x).__name__}", rule)
+    try:
+        if hasattr(x, "__dlpack__"):
+            try:
+                return np.from_dlpack(x)
+            except Exception:
+                pass  # e.g. a device tensor: try __array__, which raises its own clear error
+        if hasattr(x, "__array__"):
+            return np.asarray(x)
+    except Exception as exc:
+        raise _fail(fn, f"{name} could not be read as an array ({type(exc).__name__}: {exc})", rule) from None
+    raise _fail(fn, f"{name} must be an array (numpy, __array__ or DLPack), got {type(x).__name__}", rule)
+
+
+def check_float_array(x: Any, fn: str, name: str, ndim: int, *, allow_device: bool = False) -> Any:
+    """Check a float array (R1, R7): ndim, float32/float16 (bfloat16 with ml_dtypes)."""
+    x = as_array(x, fn, name, "R7")
+    if isinstance(x, DeviceArray):
+        if not allow_device:
+            raise _fail(fn, f"{name} must be a host array, got a device array of {x.backend!r}", "R1")
+    if len(x.shape) != ndim:
+        raise _fail(fn, f"{name} must be {ndim}-D, got shape {tuple(x.shape)}", "R1")
+    dt = np.dtype(x.dtype)
+    if dt not in FLOAT_DTYPES:
+        allowed = ", ".join(d.name for d in FLOAT_DTYPES)
+        raise _fail(fn, f"{name} must have dtype in ({allowed}), got {dt.name}", "R7")
+    if isinstance(x, np.ndarray) and not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)  # a copy, never a cast: values are unchanged
+    return x
+
+
+def check_int_array(x: Any, fn: str, name: str, ndim: int, rule: str) -> np.ndarray:
+    """Check an index array (R7): any integer dtype, values fit int32; returns C-contiguous int32."""
+    x = as_array(x, fn, name, "R7")
+    if isinstance(x, DeviceArray):
+        raise _fail(fn, f"{name} must be a host integer array, got a device array", "R7")
+    if x.ndim != ndim:
+        raise _fail(fn, f"{name} must be {ndim}-D, got shape {x.shape}", rule)
+    if x.dtype == np.bool_ or not np.issubdtype(x.dtype, np.integer):
+        raise _fail(fn, f"{name} must have an integer dtype, got {x.dtype.name}", "R7")
+    if x.size and x.dtype.itemsize >= 4 and x.dtype != np.int32:
+        lo, hi = int(x.min()), int(x.max())
+        if lo < _I32.min or hi > _I32.max:
+            bad = lo if lo < _I32.min else hi
+            raise _fail(fn, f"{name} values must fit int32, got {bad}", "R7")
+    return np.ascontiguousarray(x, dtype=np.int32)
+
+
+def check_block_size(block_size: Any, page_size: int, fn: str) -> int:
+    """R5: block_size is a positive int, a multiple of page_size."""
+    if isinstance(block_size, (bool, np.bool_)) or block_size is None:
+        raise _fail(fn, f"block_size must be a positive int, got {block_size!r}", "R5")
+    try:
+        bs = operator.index(block_size)
+    except TypeError:
+        raise _fail(fn, f"block_size must be a positive int, got {block_size!r}", "R5") from None
+    if bs <= 0:
+        raise _fail(fn, f"block_size must be a positive int, got {bs}", "R5")
+    if page_size <= 0:
+        raise _fail(fn, f"page_size must be a positive int, got {page_size}", "R5")
+    if bs % page_size:
+        raise _fail(fn, f"block_size must be a multiple of page_size={page_size}, got {bs}", "R5")
+    return bs
+
+
+def check_page_size(page_size: Any, fn: str) -> int:
+    if isinstance(page_size, (bool, np.bool_)) or page_size is None:
+        raise _fail(fn, f"page_size must be a positive int, got {page_size!r}", "R5")
+    try:
+        s = operator.index(page_size)
+    except TypeError:
+        raise _fail(fn, f"page_size must be a positive int, got {page_size!r}", "R5") from None
+    if s <= 0:
+        raise _fail(fn, f"page_size must be a positive int, got {s}", "R5")
+    return s
+
+
+def check_softmax_scale(scale: Any, head_dim: int, fn: str) -> float:
+    """R8: a finite real number; default 1/sqrt(D)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+        raise _fail(fn, f"softmax_scale must be a finite float, got {scale!r}", "R8")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise _fail(fn, f"softmax_scale must be a finite float, got {value}", "R8")
+    return value
+
+
+def check_causal(causal: Any, fn: str) -> bool:
+    """R8: causal is a bool."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise _fail(fn, f"causal must be a bool, got {causal!r}", "R8")
+    return bool(causal)
+
+
+def _first_index(mask: np.ndarray) -> list[int]:
+    return [int(i) for i in np.argwhere(mask)[0]]
+
+
+def check_layout(
+    fn: str,
+    block_tables: Any,
+    cu_seqlens_q: Any,
+    used_kv_lens: Any,
+    selected: Any,
+    *,
+    block_size: Any,
+    page_size: Any,
+    num_pages: int | None,
+    num_queries: int | None,
+    num_kv_heads: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Check R2-R6 for the index arrays; returns int32 arrays and block_size.
+
+    ``num_pages`` / ``num_queries`` / ``num_kv_heads`` are None when the caller has no cache or
+    queries (build_kvouter_index): then page ids are only checked to be >= -1 and the query
+    count and head count come from ``selected``.
+    """
+    page_size = check_page_size(page_size, fn)
+    bs = check_block_size(block_size, page_size, fn)
+    bt = check_int_array(block_tables, fn, "block_tables", 2, "R2")
+    B, max_pages = bt.shape
+    ppb = bs // page_size
+    msb = max_pages // ppb
+    if msb < 1:
+        raise _fail(
+            fn,
+            f"block_tables has {max_pages} pages per row, fewer than one block of "
+            f"{ppb} pages (block_size={bs}, page_size={page_size}); msb must be >= 1",
+            "R5",
+        )
+    if bt.size:
+        bad = bt < -1
+        if num_pages is not None:
+            bad |= bt >= num_pages
+        if bad.any():
+            at = _first_index(bad)
+            v = int(bt[tuple(at)])
+            want = f"-1 or a page id in [0, {num_pages})" if num_pages is not None else "-1 or a page id >= 0"
+            raise _fail(fn, f"block_tables contains {v} at {at}, expected {want}", "R2")
+
+    cu = check_int_array(cu_seqlens_q, fn, "cu_seqlens_q", 1, "R3")
+    if cu.shape[0] != B + 1:
+        raise _fail(fn, f"cu_seqlens_q must have B+1={B + 1} entries (B = block_tables rows), got {cu.shape[0]}", "R3")
+    if cu[0] != 0:
+        raise _fail(fn, f"cu_seqlens_q[0] must be 0, got {int(cu[0])}", "R3")
+    if B and (np.diff(cu) < 0).any():
+        j = int(np.argmax(np.diff(cu) < 0))
+        raise _fail(fn, f"cu_seqlens_q must be non-decreasing, got {int(cu[j])} then {int(cu[j + 1])} at [{j}, {j + 1}]", "R3")
+
+    sel = check_int_array(selected, fn, "selected", 3, "R6")
+    Tq = num_queries if num_queries is not None else sel.shape[0]
+    if int(cu[-1]) != Tq:
+        raise _fail(fn, f"cu_seqlens_q[-1] must equal Tq={Tq}, got {int(cu[-1])}", "R3")
+    if sel.shape[0] != Tq or (num_kv_heads is not None and sel.shape[1] != num_kv_heads):
+        hkv = num_kv_heads if num_kv_heads is not None else "Hkv"
+        raise _fail(fn, f"selected must have shape [Tq={Tq}, Hkv={hkv}, topk], got {sel.shape}", "R6")
+    if sel.size:
+        bad = (sel < -1) | (sel >= msb)
+        if bad.any():
+            at = _first_index(bad)
+            v = int(sel[tuple(at)])
+            rel = f">= msb={msb}" if v >= msb else "< -1"
+            raise _fail(fn, f"selected contains block id {v} {rel} at {at}", "R6")
+        if sel.shape[2] > 1:
+            srt = np.sort(sel, axis=2)
+            dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+            if dup.any():
+                t, h, j = _first_index(dup)
+                raise _fail(fn, f"selected row [{t}, {h}] repeats block id {int(srt[t, h, j])}; ids must be unique per row", "R6")
+
+    cap = msb * bs
+    if used_kv_lens is None:
+        lens = np.full(B, cap, dtype=np.int32)
+    else:
+        lens = check_int_array(used_kv_lens, fn, "used_kv_lens", 1, "R4")
+        if lens.shape[0] != B:
+            raise _fail(fn, f"used_kv_lens must have B={B} entries, got {lens.shape[0]}", "R4")
+        bad = (lens < 0) | (lens > cap)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise _fail(fn, f"used_kv_lens[{j}]={int(lens[j])} is outside [0, msb*block_size={cap}]", "R4")
+    return bt, cu, lens, sel, bs
+
+
+def validate_forward(
+    fn: str,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_tables: Any,
+    selected: Any,
+    cu_seqlens_q: Any,
+    *,
+    used_kv_lens: Any,
+    block_size: Any,
+    softmax_scale: Any,
+    causal: Any,
+) -> Problem:
+    """Validate every input of ``forward`` (R1-R8) and return a :class:`Problem`."""
+    q = check_float_array(q, fn, "q", 3)
+    if isinstance(q, np.ndarray) is False:
+        raise _fail(fn, "q must be a host array", "R1")
+    k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
+    v_cache = check_float_array(v_cache, fn, "v_cache", 4, allow_device=True)
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise _fail(fn, f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}", "R1")
+    if np.dtype(k_cache.dtype) != np.dtype(v_cache.dtype):
+        raise _fail(fn, f"k_cache and v_cache must have the same dtype, got {np.dtype(k_cache.dtype).name} and {np.dtype(v_cache.dtype).name}", "R1")
+    Tq, Hq, D = q.shape
+    P, Hkv, S, Dk = k_cache.shape
+    if Hkv < 1:
+        raise _fail(fn, f"k_cache must have at least one KV head, got shape {tuple(k_cache.shape)}", "R1")
+    if S < 1:
+        raise _fail(fn, f"k_cache page size (axis 2) must be >= 1, got shape {tuple(k_cache.shape)}", "R1")
+    if D < 1 or Dk != D:
+        raise _fail(fn, f"q head_dim {D} and k_cache head_dim {Dk} must be equal and >= 1", "R1")
+    if Hq < 1 or Hq % Hkv:
+        raise _fail(fn, f"Hq={Hq} must be a positive multiple of Hkv={Hkv}", "R1")
+    bt, cu, lens, sel, bs = check_layout(
+        fn, block_tables, cu_seqlens_q, used_kv_lens, selected,
+        block_size=block_size, page_size=S, num_pages=P, num_queries=Tq, num_kv_heads=Hkv,
+    )
+    scale = check_softmax_scale(softmax_scale, D, fn)
+    causal = check_causal(causal, fn)
+    return Problem(q, k_cache, v_cache, bt, sel, cu, lens, bs, scale, causal)
+
+
+def validate_index_inputs(
+    fn: str, selected: Any, block_tables: Any, cu_seqlens_q: Any, used_kv_lens: Any, *,
+    block_size: Any, page_size: Any, causal: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, bool]:
+    """Validate the inputs of build_kvouter_index (R2-R8)."""
+    s = check_page_size(page_size, fn)
+    bt, cu, lens, sel, bs = check_layout(
+        fn, block_tables, cu_seqlens_q, used_kv_lens, selected,
+        block_size=block_size, page_size=s, num_pages=None, num_queries=None, num_kv_heads=None,
+    )
+    return sel, bt, cu, lens, bs, s, check_causal(causal, fn)
+
+
+def validate_index(fn: str, index: Any, *, num_queries: int | None = None, num_kv_heads: int | None = None,
+                   page_size: int | None = None, num_pages: int | None = None) -> KVOuterIndex:
+    """Check that ``index`` is a KVOuterIndex consistent with the other arguments (R13)."""
+    if not isinstance(index, KVOuterIndex):
+        raise _fail(fn, f"index must be a KVOuterIndex from build_kvouter_index(), got {type(index).__name__}", "R13")
+    if num_queries is not None and index.num_queries != num_queries:
+        raise _fail(fn, f"index was built for Tq={index.num_queries} queries, q has {num_queries}", "R13")
+    if num_kv_heads is not None and index.num_kv_heads != num_kv_heads:
+        raise _fail(fn, f"index was built for Hkv={index.num_kv_heads} KV heads, k_cache has {num_kv_heads}", "R13")
+    if page_size is not None and index.page_size != page_size:
+        raise _fail(fn, f"index was built for page_size={index.page_size}, k_cache has {page_size}", "R13")
+    if num_pages is not None and index.block_tables.size and int(index.block_tables.max()) >= num_pages:
+        raise _fail(fn, f"index.block_tables references page {int(index.block_tables.max())}, k_cache has P={num_pages}", "R2")
+    return index
+
+
+def validate_partials(fn: str, partials: Any, index: KVOuterIndex) -> Partials:
+    """Check shapes and dtypes of partials against the index (R14)."""
+    if not isinstance(partials, Partials):
+        raise _fail(fn, f"partials must be a Partials, got {type(partials).__name__}", "R14")
+    E = index.num_edges
+    o, m, l = (np.asarray(a) for a in (partials.o, partials.m, partials.l))
+    if o.ndim != 3 or o.shape[0] != E or m.shape != o.shape[:2] or l.shape != o.shape[:2]:
+        raise _fail(fn, f"partials must be o [E={E}, G, D], m and l [E, G]; got o {o.shape}, m {m.shape}, l {l.shape}", "R14")
+    for name, a in (("o", o), ("m", m), ("l", l)):
+        if a.dtype not in (np.float32, np.float64):
+            raise _fail(fn, f"partials.{name} must be float32 or float64, got {a.dtype.name}", "R14")
+    if o.shape[1] < 1:
+        raise _fail(fn, "partials must have G >= 1 query heads per KV head", "R14")
+    return Partials(o, m, l)

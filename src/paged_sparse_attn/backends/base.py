@@ -1,0 +1,79 @@
+"""The Backend interface every backend implements.
+
+A backend receives problems that are already validated (R1-R8, R17) and an index already built
+(R13); it never re-defines semantics, it only computes them. The API layer checks the backend's
+:class:`~paged_sparse_attn.Capabilities` before calling it (R18).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import numpy as np
+
+from .._types import Availability, Capabilities, KVOuterIndex, Partials, Problem
+from ..errors import UnsupportedError
+
+__all__ = ["Backend"]
+
+
+class Backend(ABC):
+    """Abstract backend.
+
+    Subclasses set :attr:`name`, implement :meth:`probe`, :attr:`capabilities` and
+    :meth:`forward_partials`; they may override :meth:`forward` (e.g. to keep partials on the
+    device) and :meth:`combine_partials`.
+    """
+
+    name: ClassVar[str] = "abstract"
+
+    @classmethod
+    def probe(cls) -> Availability:
+        """Report whether this backend can run here. Must never raise."""
+        return Availability(True, "ok")
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend instance can run (dtypes, limits, features)."""
+
+    @abstractmethod
+    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+        """Compute the R14 partials of every (edge, query head in group).
+
+        Parameters
+        ----------
+        problem : Problem
+            Validated inputs.
+        index : KVOuterIndex
+            The R13 index of ``problem.selected``.
+
+        Returns
+        -------
+        Partials
+            ``o`` [E, G, D], ``m`` [E, G], ``l`` [E, G], float32, in index edge order.
+        """
+
+    def combine_partials(self, partials: Partials, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+        """Merge partials into ``out`` [Tq, Hq, D] and ``lse`` [Tq, Hq] (R15). Default: numpy."""
+        from .._combine import combine_partials_numpy
+
+        return combine_partials_numpy(partials, index)
+
+    def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+        """Full forward: partials then combine. Returns ``(out, lse)``, float32."""
+        return self.combine_partials(self.forward_partials(problem, index), index)
+
+    # Index branch (R21-R24). Backends that implement it override these.
+    def block_scores(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+        raise UnsupportedError(f"backend {self.name!r} does not implement block_scores [R18]")
+
+    def select_topk(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+        raise UnsupportedError(f"backend {self.name!r} does not implement select_topk [R18]")
+
+    def close(self) -> None:
+        """Release device resources. The default has none."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
