@@ -83,14 +83,14 @@ def fig_paged_layout():
     P = 10
 
     fig, ax = plt.subplots(figsize=(10.5, 6.2))
-    ax.set_xlim(-2.6, 19.2)
-    ax.set_ylim(-0.6, 11.6)
+    ax.set_xlim(-3.9, 19.2)
+    ax.set_ylim(-1.8, 11.0)
     ax.axis("off")
 
     cw = 1.0  # width of one logical position
     # --- logical positions -------------------------------------------------------------
     y_pos = 8.6
-    ax.text(-2.5, y_pos + 0.4, "logical\npositions p\nof sequence b", va="center", ha="left",
+    ax.text(-3.8, y_pos + 0.4, "logical\npositions p\nof sequence b", va="center", ha="left",
             fontsize=9)
     for p in range(max_pages * S):
         page = p // S
@@ -105,7 +105,8 @@ def fig_paged_layout():
         else:
             fc, hatch = _light(BLOCK_COLOURS[blk % 4]), None
         _box(ax, x, y_pos, cw, 0.8, fc, hatch=hatch, lw=0.6)
-        ax.text(x + cw / 2, y_pos + 0.4, str(p), ha="center", va="center", fontsize=8)
+        ax.text(x + cw / 2, y_pos + 0.4, str(p), ha="center", va="center", fontsize=8,
+                bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none") if hatch else None)
     # page brackets
     for page in range(max_pages):
         x0 = page * S * cw
@@ -118,7 +119,8 @@ def fig_paged_layout():
         ax.plot([x0 + 0.05, x0 + BS * cw - 0.05], [y_pos + 1.05] * 2, color=BLOCK_COLOURS[blk % 4],
                 lw=2.2)
         ax.text(x0 + BS * cw / 2, y_pos + 1.35, f"block s={blk}", ha="center", va="center",
-                fontsize=9, color=BLOCK_COLOURS[blk % 4], fontweight="bold")
+                fontsize=9, color=BLOCK_COLOURS[blk % 4], fontweight="bold", zorder=5,
+                bbox=dict(boxstyle="square,pad=0.15", fc="white", ec="none"))
     x_tail = msb * BS * cw
     ax.text(x_tail + S * cw / 2, y_pos + 1.35, "past msb·ppb:\nnever read", ha="center",
             va="center", fontsize=7.5, color=DARK)
@@ -129,7 +131,7 @@ def fig_paged_layout():
 
     # --- block_tables row ----------------------------------------------------------------
     y_bt = 5.6
-    ax.text(-2.5, y_bt + 0.4, "block_tables[b]", va="center", ha="left", fontsize=9,
+    ax.text(-3.8, y_bt + 0.4, "block_tables[b]", va="center", ha="left", fontsize=9,
             family="DejaVu Sans Mono")
     for page in range(max_pages):
         x = page * S * cw + 0.25
@@ -139,14 +141,15 @@ def fig_paged_layout():
             fc = "white"
         _box(ax, x, y_bt, S * cw - 0.5, 0.8, fc, hatch="////" if v < 0 else None)
         ax.text(x + (S * cw - 0.5) / 2, y_bt + 0.4, str(v), ha="center", va="center",
-                fontsize=10, fontweight="bold", family="DejaVu Sans Mono")
+                fontsize=10, fontweight="bold", family="DejaVu Sans Mono",
+                bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none") if v < 0 else None)
         _arrow(ax, (page * S * cw + S * cw / 2, y_pos - 0.6), (page * S * cw + S * cw / 2, y_bt + 0.85),
                color=GREY, lw=0.8)
 
     # --- physical pages ------------------------------------------------------------------
     y_phys = 1.2
     pw = 1.7
-    ax.text(-2.5, y_phys + 0.55, "k_cache\n[P, Hkv, S, D]", va="center", ha="left", fontsize=9,
+    ax.text(-3.8, y_phys + 0.55, "k_cache\n[P, Hkv, S, D]", va="center", ha="left", fontsize=9,
             family="DejaVu Sans Mono")
     owner = {}
     for page in range(min(max_pages, msb * ppb)):
@@ -179,19 +182,18 @@ def fig_paged_layout():
                lw=1.1)
 
     # --- legend -----------------------------------------------------------------------------
-    y_leg = 10.75
+    y_leg = -0.45
     items = [
         (_light(BLUE), None, "attendable (if selected)"),
         ("white", "////", "unmapped page (-1): skipped"),
         (LIGHT, "..", "position ≥ L_b: never read"),
         ("white", "xx", "page ≥ msb·ppb: never read"),
     ]
-    x = 0.0
-    for fc, hatch, label in items:
-        _box(ax, x, y_leg, 0.6, 0.45, fc, hatch=hatch, lw=0.6)
-        ax.text(x + 0.8, y_leg + 0.22, label, va="center", fontsize=8)
-        x += 4.8
-    ax.text(9.0, -0.45,
+    for k, (fc, hatch, label) in enumerate(items):
+        x, y = (k % 2) * 9.0, y_leg - (k // 2) * 0.6
+        _box(ax, x, y, 0.6, 0.45, fc, hatch=hatch, lw=0.6)
+        ax.text(x + 0.8, y + 0.22, label, va="center", fontsize=8.5)
+    ax.text(8.0, -1.45,
             f"S = page_size = {S},  BS = block_size = {BS},  ppb = {ppb},  max_pages = {max_pages},  "
             f"msb = {msb},  P = {P}",
             ha="center", va="center", fontsize=9)
@@ -250,10 +252,14 @@ def fig_kv_outer():
         bot = ey[es[-1]] - 0.25
         _box(axr, 0.2, bot, 2.0, top - bot, _light(BLOCK_COLOURS[s]))
         qs = ", ".join(f"t{edges[e][1]}" for e in es)
-        axr.text(1.2, (top + bot) / 2 + 0.1, f"block {s}", ha="center", va="center", fontsize=9,
-                 fontweight="bold")
-        axr.text(1.2, (top + bot) / 2 - 0.2, f"K/V loaded once\nfor {qs}", ha="center", va="top",
-                 fontsize=6.5)
+        if len(es) == 1:
+            axr.text(1.2, (top + bot) / 2, f"block {s}: once for {qs}", ha="center", va="center",
+                     fontsize=7.5, fontweight="bold")
+        else:
+            axr.text(1.2, (top + bot) / 2 + 0.1, f"block {s}", ha="center", va="center",
+                     fontsize=9, fontweight="bold")
+            axr.text(1.2, (top + bot) / 2 - 0.2, f"K/V loaded once\nfor {qs}", ha="center",
+                     va="top", fontsize=6.5)
         for e in es:
             _arrow(axr, (2.25, ey[e]), (3.35, ey[e]), color=BLOCK_COLOURS[s], lw=0.9)
     for e, (s, t, r) in enumerate(edges):
@@ -310,7 +316,7 @@ def _causal_panel(ax, L, T, BS, title, dropped=()):
 
 
 def fig_causal():
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11.0, 3.4), gridspec_kw={"width_ratios": [1.9, 1.0]})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9.0, 3.3), gridspec_kw={"width_ratios": [1.9, 1.0]})
     _causal_panel(a, 10, 3, 4, "L_b = 10, T_b = 3, BS = 4: query i sees p ≤ L_b − T_b + i",
                   dropped={(0, 2)})
     _causal_panel(b, 2, 4, 4, "L_b = 2, T_b = 4: T_b > L_b")

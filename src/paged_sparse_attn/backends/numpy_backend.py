@@ -67,14 +67,19 @@ class NumpyBackend(Backend):
         return select_topk_numpy(problem)
 
 
-def _buckets(counts: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """Group slot ids by edge count rounded up to a power of two: [(n_max, slot_ids)]."""
-    if counts.size == 0:
-        return []
-    cap = np.left_shift(1, np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64))
-    out = []
-    for n in np.unique(cap):
-        out.append((int(n), np.flatnonzero(cap == n)))
+def _chunks(counts: np.ndarray, G: int, BS: int, D: int) -> list[tuple[int, np.ndarray]]:
+    """Slot ids sorted by edge count (descending), cut into chunks of bounded size.
+
+    Each chunk is padded to the edge count of its first (largest) slot; sorting keeps the
+    padding small. Returns ``[(n_max, slot_ids)]``.
+    """
+    order = np.argsort(-counts, kind="stable")
+    out, i = [], 0
+    while i < order.shape[0]:
+        n_max = int(counts[order[i]])
+        step = max(1, _CHUNK_ELEMS // max(1, n_max * G * max(BS, D)))
+        out.append((n_max, order[i:i + step]))
+        i += step
     return out
 
 
@@ -90,25 +95,20 @@ def kvouter_partials(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, in
     o = np.zeros((E, G, D), dtype=np.float32)
     m = np.full((E, G), -np.inf, dtype=np.float32)
     l = np.zeros((E, G), dtype=np.float32)
-    if E == 0:
+    if E == 0 or k_cache.shape[0] == 0:  # P = 0: every page is unmapped (R2), every edge empty
         return Partials(o, m, l)
 
-    qg = q.reshape(Tq, Hkv, G, D)
-    if qg.dtype != np.float32:
-        qg = qg.astype(np.float32)
+    # fold the scale into q once, instead of into every score
+    qg = q.reshape(Tq, Hkv, G, D).astype(np.float32) * np.float32(scale)
     counts = np.diff(index.slot_ptr).astype(np.int64)
     lens = index.used_kv_lens.astype(np.int64)
     offs = np.arange(BS, dtype=np.int64)
-    for n_max, slots in _buckets(counts):
-        per_slot = max(1, n_max * G * BS, n_max * G * D)
-        step = max(1, _CHUNK_ELEMS // per_slot)
-        for c0 in range(0, slots.shape[0], step):
-            sl = slots[c0:c0 + step]
-            _slot_chunk(qg, k_cache, v_cache, index, scale, sl, n_max, counts, lens, offs, ppb, S, o, m, l)
+    for n_max, sl in _chunks(counts, G, BS, D):
+        _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l)
     return Partials(o, m, l)
 
 
-def _slot_chunk(qg, k_cache, v_cache, index, scale, sl, n_max, counts, lens, offs, ppb, S, o, m, l):
+def _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l):
     ns = sl.shape[0]
     G, D = qg.shape[2], qg.shape[3]
     BS = ppb * S
@@ -124,8 +124,12 @@ def _slot_chunk(qg, k_cache, v_cache, index, scale, sl, n_max, counts, lens, off
     safe_pages = np.where(mapped, pages, 0)
     K = k_cache[safe_pages, h[:, None]].reshape(ns, BS, D)  # [ns, ppb, S, D] -> [ns, BS, D]
     V = v_cache[safe_pages, h[:, None]].reshape(ns, BS, D)
-    K = np.where(valid[..., None], K, 0).astype(np.float32, copy=False)
-    V = np.where(valid[..., None], V, 0).astype(np.float32, copy=False)
+    K = K.astype(np.float32, copy=False)  # the gather made a copy: safe to edit in place
+    V = V.astype(np.float32, copy=False)
+    if not valid.all():
+        invalid = ~valid
+        K[invalid] = 0  # never let unmapped pages or positions >= L_b be read (R10)
+        V[invalid] = 0
 
     # --- the slot's edges, padded to n_max ---------------------------------------------------
     e = index.slot_ptr[sl].astype(np.int64)[:, None] + np.arange(n_max)  # [ns, n_max]
@@ -134,22 +138,23 @@ def _slot_chunk(qg, k_cache, v_cache, index, scale, sl, n_max, counts, lens, off
     t = index.edge_query[e]
     Q = qg[t, h[:, None]]  # [ns, n_max, G, D]
 
-    # --- scores, masked softmax, partials ----------------------------------------------------
+    # --- scores, masked softmax, partials (in place: the score tensor is the big one) ---------
     sc = np.matmul(Q.reshape(ns, n_max * G, D), K.transpose(0, 2, 1)).reshape(ns, n_max, G, BS)
-    sc *= np.float32(scale)
     att = valid[:, None, :] & (offs[None, None, :] < index.edge_len[e][..., None])  # [ns, n_max, BS]
-    sc = np.where(att[:, :, None, :], sc, -np.inf)
+    np.copyto(sc, -np.inf, where=~att[:, :, None, :])
     mx = sc.max(axis=-1)  # [ns, n_max, G]; -inf if the edge attends nothing
     any_att = att.any(axis=-1)[..., None]
-    with np.errstate(invalid="ignore"):
-        p = np.exp(sc - np.where(any_att, mx, 0)[..., None])  # masked -> exp(-inf) = 0
+    np.subtract(sc, np.where(any_att, mx, 0)[..., None], out=sc)
+    p = np.exp(sc, out=sc)  # masked -> exp(-inf) = 0
+    # Flush subnormal weights to 0: they change no float32 result (l >= 1) but make sgemm crawl.
+    np.copyto(p, 0, where=p < np.finfo(np.float32).tiny)
     lsum = p.sum(axis=-1)
     ov = np.matmul(p.reshape(ns, n_max * G, BS), V).reshape(ns, n_max, G, D)
 
     # V that is attended by some edge of the slot but not by others may hold NaN/Inf: P @ V
     # would then turn 0 * NaN into NaN for the edges that do not attend it. Redo those slots
     # exactly (rare: only with non-finite data).
-    bad = ~np.isfinite(V).all(axis=-1)  # [ns, BS]
+    bad = ~np.isfinite(V.sum(axis=-1))  # [ns, BS]; a false alarm (overflow) only costs time
     if bad.any():
         for j in np.flatnonzero(bad.any(axis=-1)):
             Vj = v_cache[safe_pages[j], h[j]].reshape(BS, D).astype(np.float32)

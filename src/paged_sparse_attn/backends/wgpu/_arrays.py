@@ -1,0 +1,163 @@
+"""Paged caches on the device: slab layout, chunking, upload, page updates and readback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..._types import DeviceArray
+from ...errors import DeviceError
+from ._device import device_errors
+from ._plan import SlabMap, chunk_starts_for
+
+__all__ = ["CacheLayout", "WgpuArray", "upload_slabs"]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How a [P, Hkv, S, D] cache (or a compact subset of its slabs) sits in device buffers.
+
+    A slab is one (page, KV head): S*D elements, stored with a stride of ``slab_stride``
+    elements (S*D rounded up to even for float16 so that every slab starts 4-byte aligned).
+    Chunk c holds device slabs ``chunk_starts[c]:chunk_starts[c+1]``, one buffer each.
+    """
+
+    shape: tuple[int, int, int, int]
+    dtype: np.dtype
+    slab_stride: int
+    chunk_starts: np.ndarray
+    slab_ids: np.ndarray | None = None  # global slab ids held (compact upload), None = all
+
+    @property
+    def itemsize(self) -> int:
+        return int(np.dtype(self.dtype).itemsize)
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.slab_stride * self.itemsize
+
+    @property
+    def n_chunks(self) -> int:
+        return int(self.chunk_starts.shape[0]) - 1
+
+    def slab_map(self) -> SlabMap:
+        return SlabMap(self.chunk_starts, self.slab_ids)
+
+    def same_as(self, other: "CacheLayout") -> bool:
+        return (self.shape == other.shape and np.dtype(self.dtype) == np.dtype(other.dtype)
+                and self.slab_stride == other.slab_stride
+                and np.array_equal(self.chunk_starts, other.chunk_starts)
+                and ((self.slab_ids is None and other.slab_ids is None)
+                     or (self.slab_ids is not None and other.slab_ids is not None
+                         and np.array_equal(self.slab_ids, other.slab_ids))))
+
+    @staticmethod
+    def make(shape, dtype, binding_size: int, slab_ids: np.ndarray | None = None) -> "CacheLayout":
+        P, Hkv, S, D = (int(x) for x in shape)
+        dt = np.dtype(dtype)
+        stride = S * D
+        if dt.itemsize == 2 and stride % 2:
+            stride += 1
+        n = P * Hkv if slab_ids is None else int(slab_ids.shape[0])
+        starts = chunk_starts_for(n, stride * dt.itemsize, binding_size)
+        return CacheLayout((P, Hkv, S, D), dt, stride, starts, slab_ids)
+
+
+def _slab_rows(arr: np.ndarray, layout: CacheLayout, lo: int, hi: int) -> np.ndarray:
+    """Device slabs lo:hi of host cache ``arr`` as a [hi-lo, slab_stride] array in the device dtype."""
+    P, Hkv, S, D = layout.shape
+    flat = arr.reshape(P * Hkv, S * D)
+    if layout.slab_ids is None:
+        rows = flat[lo:hi]
+    else:
+        rows = flat[layout.slab_ids[lo:hi]]
+    rows = np.ascontiguousarray(rows, dtype=layout.dtype)
+    if layout.slab_stride != S * D:
+        rows = np.pad(rows, ((0, 0), (0, layout.slab_stride - S * D)))
+    return rows
+
+
+def upload_slabs(device, arr: np.ndarray, layout: CacheLayout, label: str) -> list:
+    """One storage buffer per chunk holding the slabs of ``arr`` that ``layout`` describes."""
+    import wgpu
+
+    bufs = []
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
+    try:
+        for c in range(layout.n_chunks):
+            lo, hi = int(layout.chunk_starts[c]), int(layout.chunk_starts[c + 1])
+            nbytes = max(16, (hi - lo) * layout.slab_bytes)
+            with device_errors(f"upload of {label} chunk {c}", bytes=nbytes, chunks=layout.n_chunks):
+                buf = device.create_buffer(size=nbytes, usage=usage, label=f"{label}[{c}]")
+                bufs.append(buf)
+                if hi > lo:
+                    device.queue.write_buffer(buf, 0, _slab_rows(arr, layout, lo, hi))
+    except BaseException:
+        for b in bufs:
+            b.destroy()
+        raise
+    return bufs
+
+
+class WgpuArray(DeviceArray):
+    """A paged K or V cache held by a :class:`WgpuBackend` (see ``WgpuBackend.upload_kv_cache``).
+
+    Attributes
+    ----------
+    shape : tuple of int
+        ``(P, Hkv, S, D)``.
+    dtype : numpy.dtype
+        float32 or float16.
+    backend : WgpuBackend
+        The backend whose device holds the data.
+    """
+
+    def __init__(self, backend: Any, layout: CacheLayout, buffers: list, generation: int, label: str):
+        self.backend = backend
+        self.layout = layout
+        self.shape = layout.shape
+        self.dtype = np.dtype(layout.dtype)
+        self._buffers = buffers
+        self._generation = generation
+        self._label = label
+
+    @property
+    def nbytes(self) -> int:
+        P, Hkv, S, D = self.shape
+        return P * Hkv * S * D * self.dtype.itemsize
+
+    @property
+    def released(self) -> bool:
+        return self._buffers is None
+
+    def buffers(self) -> list:
+        """The chunk buffers; raises DeviceError if released or if the device was replaced."""
+        if self._buffers is None:
+            raise DeviceError(f"wgpu backend: {self._label} was released")
+        if self._generation != self.backend._generation:
+            raise DeviceError(
+                f"wgpu backend: {self._label} belongs to a device that was lost or closed; upload it again")
+        return self._buffers
+
+    def to_numpy(self) -> np.ndarray:
+        """Copy the cache back to the host, ``[P, Hkv, S, D]``."""
+        return self.backend._read_cache(self)
+
+    def write_pages(self, page_ids, pages) -> None:
+        """Overwrite whole pages: ``pages[i]`` ([Hkv, S, D]) goes to physical page ``page_ids[i]``."""
+        self.backend._write_pages(self, page_ids, pages)
+
+    def release(self) -> None:
+        """Free the device memory now (also happens when the array is garbage collected)."""
+        bufs, self._buffers = self._buffers, None
+        for b in bufs or ():
+            try:
+                b.destroy()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._buffers is None else f"{self.layout.n_chunks} chunk(s)"
+        return f"<WgpuArray {self._label} shape={self.shape} dtype={self.dtype.name} {state}>"

@@ -1,0 +1,210 @@
+"""Adapter and device acquisition, limits, features and error translation for the wgpu backend.
+
+``wgpu`` is imported inside functions only: importing this module never requires it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from ...errors import DeviceError
+
+__all__ = [
+    "WEBGPU_DEFAULT_LIMITS",
+    "INSTALL_HINT",
+    "DRIVER_HINT",
+    "DeviceContext",
+    "open_device",
+    "request_adapter",
+    "device_errors",
+]
+
+INSTALL_HINT = "wgpu is not installed: pip install paged_sparse_attn[wgpu]"
+DRIVER_HINT = (
+    "no Vulkan/Metal/D3D12 driver found: on Debian/Ubuntu apt-get install mesa-vulkan-drivers "
+    "(lavapipe) or install your GPU driver"
+)
+
+# The WebGPU specification's default limits (what a portable program may assume). Requesting
+# these instead of the adapter's maxima catches code that only runs on generous hardware.
+WEBGPU_DEFAULT_LIMITS: dict[str, int] = {
+    "max-texture-dimension-1d": 8192,
+    "max-texture-dimension-2d": 8192,
+    "max-texture-dimension-3d": 2048,
+    "max-texture-array-layers": 256,
+    "max-bind-groups": 4,
+    "max-bindings-per-bind-group": 1000,
+    "max-dynamic-uniform-buffers-per-pipeline-layout": 8,
+    "max-dynamic-storage-buffers-per-pipeline-layout": 4,
+    "max-sampled-textures-per-shader-stage": 16,
+    "max-samplers-per-shader-stage": 16,
+    "max-storage-buffers-per-shader-stage": 8,
+    "max-storage-textures-per-shader-stage": 4,
+    "max-uniform-buffers-per-shader-stage": 12,
+    "max-uniform-buffer-binding-size": 65536,
+    "max-storage-buffer-binding-size": 134217728,
+    "min-uniform-buffer-offset-alignment": 256,
+    "min-storage-buffer-offset-alignment": 256,
+    "max-vertex-buffers": 8,
+    "max-buffer-size": 268435456,
+    "max-vertex-attributes": 16,
+    "max-vertex-buffer-array-stride": 2048,
+    "max-inter-stage-shader-variables": 16,
+    "max-color-attachments": 8,
+    "max-color-attachment-bytes-per-sample": 32,
+    "max-compute-workgroup-storage-size": 16384,
+    "max-compute-invocations-per-workgroup": 256,
+    "max-compute-workgroup-size-x": 256,
+    "max-compute-workgroup-size-y": 256,
+    "max-compute-workgroup-size-z": 64,
+    "max-compute-workgroups-per-dimension": 65535,
+}
+
+# Limits reported in Capabilities.limits (snake_case names).
+REPORTED_LIMITS = (
+    "max-storage-buffer-binding-size",
+    "max-buffer-size",
+    "max-storage-buffers-per-shader-stage",
+    "max-compute-workgroup-storage-size",
+    "max-compute-workgroups-per-dimension",
+    "max-compute-invocations-per-workgroup",
+    "min-uniform-buffer-offset-alignment",
+    "min-storage-buffer-offset-alignment",
+)
+
+# Features the backend uses when the adapter has them.
+WANTED_FEATURES = ("shader-f16",)
+
+
+@dataclass
+class DeviceContext:
+    """One device and what the kernels may assume about it."""
+
+    adapter: Any
+    device: Any
+    summary: str
+    adapter_type: str
+    features: frozenset
+    limits: Mapping[str, int]
+    binding_size: int  # effective max storage binding (bytes, multiple of 4)
+    buffer_size: int  # max buffer size (bytes)
+    workgroups_per_dim: int  # effective max workgroups per grid dimension
+    workgroup_storage: int  # max workgroup memory (bytes)
+    max_invocations: int
+    uniform_align: int
+    generation: int = 0
+    pipelines: dict = field(default_factory=dict)
+    layouts: dict = field(default_factory=dict)
+
+
+def request_adapter(power_preference: str = "high-performance"):
+    """Return a wgpu adapter or None. Raises ImportError when wgpu is missing."""
+    import wgpu
+
+    try:
+        return wgpu.gpu.request_adapter_sync(power_preference=power_preference)
+    except Exception:
+        return None
+
+
+def adapter_summary(adapter) -> str:
+    try:
+        s = adapter.summary
+        if s:
+            return str(s)
+    except Exception:
+        pass
+    try:
+        info = adapter.info
+        return f"{info.get('device', '?')} ({info.get('adapter_type', '?')}) via {info.get('backend_type', '?')}"
+    except Exception:
+        return "unknown adapter"
+
+
+def open_device(
+    *,
+    power_preference: str,
+    required_limits: str | Mapping[str, int],
+    max_binding_size: int | None,
+    max_workgroups_per_dim: int | None,
+    disable_features: tuple[str, ...],
+    generation: int = 0,
+) -> DeviceContext:
+    """Request an adapter and a device with the options of :class:`WgpuBackend`."""
+    from ...errors import BackendUnavailableError
+
+    try:
+        import wgpu  # noqa: F401
+    except ImportError as exc:
+        raise BackendUnavailableError(f"backend 'wgpu' is unavailable: {INSTALL_HINT} [R18]") from exc
+    adapter = request_adapter(power_preference)
+    if adapter is None:
+        raise BackendUnavailableError(f"backend 'wgpu' is unavailable: {DRIVER_HINT} [R18]")
+    alimits = dict(adapter.limits)
+    if isinstance(required_limits, str):
+        if required_limits == "adapter":
+            req = dict(alimits)
+        elif required_limits == "default":
+            req = {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in alimits}
+        else:
+            raise ValueError(f"WgpuBackend(): required_limits must be 'default', 'adapter' or a dict, got {required_limits!r}")
+    else:
+        req = {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in alimits}
+        req.update({str(k).replace("_", "-"): int(v) for k, v in dict(required_limits).items()})
+    disabled = {f.replace("_", "-") for f in disable_features}
+    afeats = {str(f) for f in adapter.features}
+    feats = [f for f in WANTED_FEATURES if f in afeats and f not in disabled]
+    try:
+        device = adapter.request_device_sync(required_features=feats, required_limits=req)
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"backend 'wgpu' could not open a device on {adapter_summary(adapter)} "
+            f"(features {feats}, limits {required_limits!r}): {exc} [R18]"
+        ) from exc
+    lim = dict(device.limits)
+    binding = int(lim["max-storage-buffer-binding-size"])
+    bufsize = int(lim.get("max-buffer-size", binding))
+    binding = min(binding, bufsize)
+    if max_binding_size is not None:
+        if int(max_binding_size) < 256:
+            raise ValueError(f"WgpuBackend(): max_binding_size must be >= 256 bytes, got {max_binding_size}")
+        binding = min(binding, int(max_binding_size))
+    binding -= binding % 4
+    wgdim = int(lim["max-compute-workgroups-per-dimension"])
+    if max_workgroups_per_dim is not None:
+        if int(max_workgroups_per_dim) < 1:
+            raise ValueError(f"WgpuBackend(): max_workgroups_per_dim must be >= 1, got {max_workgroups_per_dim}")
+        wgdim = min(wgdim, int(max_workgroups_per_dim))
+    info = adapter.info
+    return DeviceContext(
+        adapter=adapter,
+        device=device,
+        summary=adapter_summary(adapter),
+        adapter_type=str(info.get("adapter_type", "")),
+        features=frozenset(str(f) for f in device.features),
+        limits={k: int(lim[k]) for k in REPORTED_LIMITS if k in lim},
+        binding_size=binding,
+        buffer_size=bufsize,
+        workgroups_per_dim=wgdim,
+        workgroup_storage=int(lim["max-compute-workgroup-storage-size"]),
+        max_invocations=int(lim["max-compute-invocations-per-workgroup"]),
+        uniform_align=max(256, int(lim.get("min-uniform-buffer-offset-alignment", 256))),
+        generation=generation,
+    )
+
+
+@contextlib.contextmanager
+def device_errors(what: str, **sizes: Any) -> Iterator[None]:
+    """Translate wgpu validation / out-of-memory / internal errors into DeviceError with context."""
+    import wgpu
+
+    try:
+        yield
+    except DeviceError:
+        raise
+    except (wgpu.GPUError, wgpu.GPUPipelineError, MemoryError) as exc:
+        ctx = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        kind = "out of memory" if isinstance(exc, MemoryError) else type(exc).__name__
+        raise DeviceError(f"wgpu backend: {what} failed ({kind}){' with ' + ctx if ctx else ''}: {exc}") from exc

@@ -1,0 +1,478 @@
+"""Host-side planning for the wgpu kernels: work items, cache chunks, merge segments, batches.
+
+Pure numpy, vectorised (no Python loop over edges); nothing here touches the device.
+
+Vocabulary
+----------
+slab
+    One (page, KV head) of a cache: ``S * D`` contiguous elements. A cache on the device is a
+    sequence of slabs (global slab id ``p * Hkv + h``, or a compact renumbering of the slabs a
+    problem reads); it is cut into *chunks* of whole slabs, one storage binding each.
+work item
+    Up to ``RMAX`` rows reading one KV block: consecutive edges of one slot group times the G
+    query heads of the group (or one edge times a range of heads when ``G > RMAX``).
+item-chunk
+    A work item paired with one chunk its block's pages lie in; one workgroup each. Pages in
+    other chunks are INVALID in the item-chunk's page list.
+partial row ("prow")
+    The (o, m, l) one item-chunk computes for one (edge, head): a piece of an edge's partial.
+segment
+    The partial rows merged into one destination: an edge's pieces (forward_partials) or all
+    pieces of all edges of a (query, KV head) row (the combine of forward).
+batch
+    A set of rows (forward) or edges (forward_partials) whose buffers fit the binding limit; the
+    batches of a call run in one command encoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..._types import KVOuterIndex
+from ...errors import UnsupportedError
+
+__all__ = [
+    "ACC",
+    "INVALID",
+    "ITEM_WORDS",
+    "Geometry",
+    "workgroup_bytes",
+    "choose_geometry",
+    "SlabMap",
+    "IndexView",
+    "BatchPlan",
+    "plan_forward",
+    "plan_partials",
+    "grid_dispatches",
+]
+
+ACC = 16  # accumulators per invocation; must match `const ACC` in psa_partials.wgsl
+INVALID = 0xFFFFFFFF
+ITEM_WORDS = 8
+MAX_RMAX = 256
+MAX_TK = 32
+
+
+def _excl_cumsum(a: np.ndarray) -> np.ndarray:
+    out = np.zeros(a.shape[0] + 1, dtype=np.int64)
+    np.cumsum(a, out=out[1:])
+    return out
+
+
+# --- kernel geometry ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Geometry:
+    """Specialisation of the partials kernel (its override constants) and the item shape."""
+
+    D: int
+    S: int
+    G: int
+    TK: int
+    RMAX: int
+    WG: int
+    kv_itemsize: int
+
+    @property
+    def KS(self) -> int:
+        return self.D + 1 - (self.D & 1)
+
+    @property
+    def heads_per_item(self) -> int:
+        return min(self.G, self.RMAX)
+
+    @property
+    def head_splits(self) -> int:
+        return -(-self.G // self.heads_per_item)
+
+    @property
+    def edges_per_item(self) -> int:
+        return max(1, self.RMAX // self.G) if self.G <= self.RMAX else 1
+
+    def constants(self) -> dict[str, int]:
+        return {"D": self.D, "S": self.S, "TK": self.TK, "RMAX": self.RMAX, "WG": self.WG}
+
+
+def workgroup_bytes(D: int, TK: int, RMAX: int, kv_itemsize: int) -> int:
+    """Workgroup memory of psa_partials.wgsl for these constants (each array rounded to 16 bytes)."""
+    KS = D + 1 - (D & 1)
+
+    def a(n: int) -> int:
+        return (n + 15) // 16 * 16
+
+    return (a(TK * KS * kv_itemsize) + a(TK * D * kv_itemsize) + a(RMAX * TK * 4) + a(TK * 4)
+            + 5 * a(RMAX * 4))
+
+
+def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int, kv_itemsize: int,
+                    wg_size: int, wg_storage: int) -> Geometry:
+    """Largest tile that fits the device's workgroup memory (checked here: wgpu does not)."""
+    rcap = min(MAX_RMAX, (wg_size * ACC) // D)
+    if rcap < 1:
+        raise UnsupportedError(f"backend 'wgpu': head_dim {D} exceeds {wg_size * ACC} [R18]")
+    rmax = max(1, min(rcap, rows_needed))
+    tk = max(1, min(MAX_TK, block_size))
+    while workgroup_bytes(D, tk, rmax, kv_itemsize) > wg_storage:
+        if tk > 8:
+            tk = (tk + 1) // 2
+        elif rmax > 1:
+            rmax = (rmax + 1) // 2
+        elif tk > 1:
+            tk = (tk + 1) // 2
+        else:
+            raise UnsupportedError(
+                f"backend 'wgpu': head_dim {D} needs {workgroup_bytes(D, 1, 1, kv_itemsize)} bytes of "
+                f"workgroup memory, the device allows {wg_storage} [R18]")
+    return Geometry(D=D, S=S, G=G, TK=tk, RMAX=rmax, WG=wg_size, kv_itemsize=kv_itemsize)
+
+
+# --- slabs and chunks --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SlabMap:
+    """How global slab ids ``p * Hkv + h`` map to the device cache's chunks.
+
+    ``slab_ids`` is None when the device cache holds every slab in order (a resident cache), else
+    the sorted global ids of the slabs it holds (a compact upload); ``chunk_starts`` [n_chunks+1]
+    are chunk boundaries in the device's slab numbering.
+    """
+
+    chunk_starts: np.ndarray
+    slab_ids: np.ndarray | None = None
+
+    @property
+    def n_chunks(self) -> int:
+        return int(self.chunk_starts.shape[0]) - 1
+
+    def to_device(self, gslab: np.ndarray) -> np.ndarray:
+        if self.slab_ids is None:
+            return gslab
+        return np.searchsorted(self.slab_ids, gslab)
+
+    def chunk_of(self, dslab: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.chunk_starts, dslab, side="right") - 1
+
+
+def chunk_starts_for(n_slabs: int, slab_bytes: int, binding_size: int) -> np.ndarray:
+    """Boundaries of chunks of whole slabs, each at most ``binding_size`` bytes."""
+    per = binding_size // slab_bytes
+    if per < 1:
+        raise UnsupportedError(
+            f"backend 'wgpu': one (page, KV head) of the cache takes {slab_bytes} bytes, more than the "
+            f"storage binding limit {binding_size} [R18]")
+    starts = np.arange(0, max(n_slabs, 1), per, dtype=np.int64)
+    return np.append(starts, n_slabs).astype(np.int64)
+
+
+# --- index view --------------------------------------------------------------------------------
+
+class IndexView:
+    """Per-edge / per-slot arrays of a KVOuterIndex in the forms the planner needs (int64)."""
+
+    def __init__(self, index: KVOuterIndex, G: int):
+        self.index = index
+        self.G = G
+        self.Hkv = index.num_kv_heads
+        self.S = index.page_size
+        self.ppb = index.pages_per_block
+        self.E = index.num_edges
+        counts = np.diff(index.slot_ptr.astype(np.int64))
+        self.slot_of_edge = np.repeat(np.arange(index.num_slots, dtype=np.int64), counts)
+        self.edge_len = index.edge_len.astype(np.int64)
+        self.edge_row = index.edge_rows()
+        self.edge_rank = index.edge_rank.astype(np.int64)
+        self.slot_h = index.slot_head.astype(np.int64)
+        self.slot_b = index.slot_seq.astype(np.int64)
+        self.slot_s = index.slot_block.astype(np.int64)
+        self.bt = index.block_tables
+        self.max_slot_edges = int(counts.max()) if counts.size else 0
+        if self.E:
+            self.slot_maxlen = np.maximum.reduceat(self.edge_len, index.slot_ptr[:-1].astype(np.int64))
+        else:
+            self.slot_maxlen = np.zeros(0, dtype=np.int64)
+
+    def slot_pages(self, slots: np.ndarray, maxlen: np.ndarray):
+        """Pages read by blocks ``slots`` up to ``maxlen`` positions: (owner, j, global slab or -1)."""
+        npg = (maxlen + self.S - 1) // self.S
+        off = _excl_cumsum(npg)
+        owner = np.repeat(np.arange(slots.shape[0], dtype=np.int64), npg)
+        j = np.arange(int(off[-1]), dtype=np.int64) - off[owner]
+        sl = slots[owner]
+        p = self.bt[self.slot_b[sl], self.slot_s[sl] * self.ppb + j].astype(np.int64)
+        gslab = np.where(p >= 0, p * self.Hkv + self.slot_h[sl], -1)
+        return npg, off, owner, gslab
+
+    def needed_slabs(self) -> np.ndarray:
+        """Sorted global ids of every slab some edge reads (for compact uploads)."""
+        if not self.E:
+            return np.zeros(0, dtype=np.int64)
+        _, _, _, gslab = self.slot_pages(np.arange(self.slot_h.shape[0]), self.slot_maxlen)
+        return np.unique(gslab[gslab >= 0])
+
+    def chunks_per_slot(self, smap: SlabMap) -> np.ndarray:
+        """Distinct chunks each slot group's block touches (at least 1)."""
+        n = self.slot_h.shape[0]
+        if smap.n_chunks <= 1 or n == 0:
+            return np.ones(n, dtype=np.int64)
+        _, _, owner, gslab = self.slot_pages(np.arange(n), self.slot_maxlen)
+        ok = gslab >= 0
+        ch = smap.chunk_of(smap.to_device(gslab[ok]))
+        key = np.unique(owner[ok] * smap.n_chunks + ch)
+        return np.maximum(1, np.bincount(key // smap.n_chunks, minlength=n))
+
+
+# --- plans -------------------------------------------------------------------------------------
+
+@dataclass
+class BatchPlan:
+    """Everything one batch uploads and dispatches.
+
+    ``plan_words`` (u32): item-chunk records | edge records | page lists (psa_partials.wgsl).
+    ``dispatches``: (chunk, first item-chunk, count) for the partials kernel.
+    ``merge_words`` (u32) or None: ptr [n_dest + 1] | elems, for psa_merge.wgsl; None when the
+    partial rows already are the destinations (``identity``).
+    ``q_rows``: global q rows (``t * Hkv + h``) to upload, in local order; or a slice.
+    ``dest``: slice of the global destination rows this batch writes.
+    """
+
+    plan_words: np.ndarray
+    dispatches: list
+    n_prows: int
+    identity: bool
+    merge_words: np.ndarray | None
+    n_dest: int
+    q_rows: object
+    dest: slice
+
+    @property
+    def elem_off(self) -> int:
+        return self.n_dest + 1
+
+
+def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lrow: np.ndarray,
+           identity_ok: bool) -> dict:
+    """Work items, item-chunks, page lists and partial-row numbering for the edges ``eids``."""
+    G, S = geom.G, geom.S
+    E = eids.shape[0]
+    sl = view.slot_of_edge[eids]
+    lens = view.edge_len[eids]
+    new_run = np.ones(E, dtype=bool)
+    new_run[1:] = sl[1:] != sl[:-1]
+    run_start = np.flatnonzero(new_run)
+    run_id = np.cumsum(new_run) - 1
+    pos = np.arange(E, dtype=np.int64) - run_start[run_id]
+    new_item = new_run | (pos % geom.edges_per_item == 0)
+    istart = np.flatnonzero(new_item).astype(np.int64)
+    ine = np.diff(np.append(istart, E))
+    imax = np.maximum.reduceat(lens, istart)
+    islot = sl[istart]
+    nh, ngmax = geom.head_splits, geom.heads_per_item
+    if nh > 1:
+        n_e_items = istart.shape[0]
+        istart, ine, imax, islot = (np.repeat(a, nh) for a in (istart, ine, imax, islot))
+        ig0 = np.tile(np.arange(nh, dtype=np.int64) * ngmax, n_e_items)
+        ing = np.minimum(ngmax, G - ig0)
+    else:
+        ig0 = np.zeros(istart.shape[0], dtype=np.int64)
+        ing = np.full(istart.shape[0], G, dtype=np.int64)
+    n_items = istart.shape[0]
+
+    npg, pg_off, owner, gslab = view.slot_pages(islot, imax)
+    ok = gslab >= 0
+    dslab = np.full(gslab.shape[0], -1, dtype=np.int64)
+    dslab[ok] = smap.to_device(gslab[ok])
+    chunk = np.full(gslab.shape[0], -1, dtype=np.int64)
+    chunk[ok] = smap.chunk_of(dslab[ok])
+
+    nc = smap.n_chunks
+    if nc == 1:
+        ic_item = np.arange(n_items, dtype=np.int64)
+        ic_chunk = np.zeros(n_items, dtype=np.int64)
+    else:  # one item-chunk per chunk the item's readable pages lie in; none if it has none
+        key = np.unique(owner[ok] * nc + chunk[ok])
+        ic_item, ic_chunk = key // nc, key % nc
+        order = np.argsort(ic_chunk, kind="stable")
+        ic_item, ic_chunk = ic_item[order], ic_chunk[order]
+    n_ic = ic_item.shape[0]
+    identity = identity_ok and nc == 1
+
+    ic_npg = npg[ic_item]
+    icpg_off = _excl_cumsum(ic_npg)
+    icx = np.repeat(np.arange(n_ic, dtype=np.int64), ic_npg)
+    src = pg_off[ic_item[icx]] + (np.arange(int(icpg_off[-1]), dtype=np.int64) - icpg_off[icx])
+    same = chunk[src] == ic_chunk[icx]
+    rel = dslab[src] - smap.chunk_starts[np.maximum(chunk[src], 0)]
+    pages = np.where(same, rel, INVALID).astype(np.uint32)
+
+    ic_rows = ine[ic_item] * ing[ic_item]
+    if identity:
+        prow0 = istart[ic_item] * G + ig0[ic_item]
+        n_prows = E * G
+    else:
+        prow0 = _excl_cumsum(ic_rows)[:-1]
+        n_prows = int(ic_rows.sum())
+
+    erec_base = n_ic * ITEM_WORDS
+    page_base = erec_base + 2 * E
+    items = np.zeros((n_ic, ITEM_WORDS), dtype=np.int64)
+    items[:, 0] = imax[ic_item]
+    items[:, 1] = ine[ic_item]
+    items[:, 2] = ig0[ic_item]
+    items[:, 3] = ing[ic_item]
+    items[:, 4] = erec_base + 2 * istart[ic_item]
+    items[:, 5] = page_base + icpg_off[:-1]
+    items[:, 6] = prow0
+    erec = np.empty((E, 2), dtype=np.int64)
+    erec[:, 0] = lrow
+    erec[:, 1] = lens
+    words = np.concatenate([items.ravel(), erec.ravel()]).astype(np.uint32)
+    words = np.concatenate([words, pages])
+
+    dispatches = []
+    if n_ic:
+        bounds = np.flatnonzero(np.diff(ic_chunk)) + 1
+        starts = np.concatenate([[0], bounds])
+        ends = np.concatenate([bounds, [n_ic]])
+        dispatches = [(int(ic_chunk[a]), int(a), int(b - a)) for a, b in zip(starts, ends)]
+    return dict(words=words, dispatches=dispatches, n_prows=n_prows, identity=identity,
+                ic_item=ic_item, ic_chunk=ic_chunk, ic_rows=ic_rows, prow0=prow0, istart=istart,
+                ig0=ig0, ing=ing)
+
+
+def _prow_table(it: dict):
+    """For every partial row: (prow id, local edge, head g, chunk)."""
+    ic_item, ic_rows = it["ic_item"], it["ic_rows"]
+    n = int(ic_rows.sum())
+    icx = np.repeat(np.arange(ic_item.shape[0], dtype=np.int64), ic_rows)
+    r = np.arange(n, dtype=np.int64) - _excl_cumsum(ic_rows)[icx]
+    item = ic_item[icx]
+    ng = it["ing"][item]
+    ie = r // ng
+    prow = it["prow0"][icx] + r
+    le = it["istart"][item] + ie
+    g = it["ig0"][item] + (r - ie * ng)
+    return prow, le, g, it["ic_chunk"][icx]
+
+
+def _segments(dest: np.ndarray, keys: tuple, prow: np.ndarray, n_dest: int) -> np.ndarray:
+    order = np.lexsort(keys + (dest,))
+    ptr = _excl_cumsum(np.bincount(dest, minlength=n_dest))
+    return np.concatenate([ptr, prow[order]]).astype(np.uint32)
+
+
+def _batches(costs: list[np.ndarray], caps: list[int], what: str) -> list[tuple[int, int]]:
+    """Greedy split of units 0..n-1 into ranges whose summed costs stay within the caps."""
+    n = costs[0].shape[0]
+    cums = [_excl_cumsum(c) for c in costs]
+    out = []
+    a = 0
+    while a < n:
+        b = n
+        for cum, cap in zip(cums, caps):
+            b = min(b, int(np.searchsorted(cum, cum[a] + cap, side="right")) - 1)
+        if b <= a:
+            raise UnsupportedError(
+                f"backend 'wgpu': a single {what} needs more than the storage binding limit; "
+                "lower topk or use a device with larger bindings [R18]")
+        out.append((a, b))
+        a = b
+    return out
+
+
+def _caps(geom: Geometry, binding: int) -> tuple[int, int, int]:
+    """(max partial rows, max u32 words, max q/out rows of G*D floats) per binding."""
+    prows = min(binding // (4 * geom.D), binding // 8)
+    words = binding // 4
+    qrows = binding // (4 * geom.G * geom.D)
+    return prows, words, qrows
+
+
+def _edge_costs(view: IndexView, geom: Geometry, smap: SlabMap, eids_order: np.ndarray):
+    """Upper bounds per edge: partial rows, plan words (items + records + pages), merge words."""
+    nch = view.chunks_per_slot(smap)[view.slot_of_edge[eids_order]]
+    prows = geom.G * nch
+    plan = 2 + geom.head_splits * nch * (ITEM_WORDS + view.ppb)
+    return prows, plan
+
+
+def plan_forward(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) -> list[BatchPlan]:
+    """Batches of (query, KV head) rows; each batch combines its rows completely."""
+    idx = view.index
+    n_rows = idx.num_queries * view.Hkv
+    if n_rows == 0 or view.E == 0:
+        return []
+    rprows, rplan = _edge_costs(view, geom, smap, idx.row_edges.astype(np.int64))
+    row_ptr = idx.row_ptr.astype(np.int64)
+    nonempty = np.diff(row_ptr) > 0
+    per_row_prows = np.zeros(n_rows, dtype=np.int64)
+    per_row_plan = np.zeros(n_rows, dtype=np.int64)
+    if rprows.size:
+        starts = row_ptr[:-1][nonempty]
+        per_row_prows[nonempty] = np.add.reduceat(rprows, starts)
+        per_row_plan[nonempty] = np.add.reduceat(rplan, starts)
+    cap_prows, cap_words, cap_qrows = _caps(geom, binding)
+    ones = np.ones(n_rows, dtype=np.int64)
+    ranges = _batches(
+        [per_row_prows, per_row_plan, per_row_prows + geom.G + 1, ones],
+        [cap_prows, cap_words, cap_words, cap_qrows], "(query, KV head) row")
+    plans = []
+    for r0, r1 in ranges:
+        eids = np.sort(idx.row_edges[row_ptr[r0]:row_ptr[r1]].astype(np.int64))
+        if eids.size == 0:
+            continue
+        lrow = view.edge_row[eids] - r0
+        it = _items(view, geom, smap, eids, lrow, identity_ok=False)
+        prow, le, g, ch = _prow_table(it)
+        n_dest = (r1 - r0) * geom.G
+        dest = lrow[le] * geom.G + g
+        merge = _segments(dest, (ch, view.edge_rank[eids][le]), prow, n_dest)
+        plans.append(BatchPlan(it["words"], it["dispatches"], it["n_prows"], False, merge, n_dest,
+                               slice(r0, r1), slice(r0 * geom.G, r1 * geom.G)))
+    return plans
+
+
+def plan_partials(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) -> list[BatchPlan]:
+    """Batches of consecutive edges; each batch writes the [E_b, G] partials of its edges."""
+    E = view.E
+    if E == 0:
+        return []
+    eall = np.arange(E, dtype=np.int64)
+    eprows, eplan = _edge_costs(view, geom, smap, eall)
+    cap_prows, cap_words, cap_qrows = _caps(geom, binding)
+    g1 = np.full(E, geom.G, dtype=np.int64)
+    ranges = _batches([eprows, eplan, eprows + g1 + 1, np.ones(E, dtype=np.int64)],
+                      [cap_prows, cap_words, cap_words, min(cap_qrows, cap_prows // geom.G)], "edge")
+    plans = []
+    for e0, e1 in ranges:
+        eids = eall[e0:e1]
+        rows = view.edge_row[eids]
+        q_rows, lrow = np.unique(rows, return_inverse=True)
+        it = _items(view, geom, smap, eids, lrow.astype(np.int64), identity_ok=True)
+        n_dest = (e1 - e0) * geom.G
+        merge = None
+        if not it["identity"]:
+            prow, le, g, ch = _prow_table(it)
+            merge = _segments(le * geom.G + g, (ch,), prow, n_dest)
+        plans.append(BatchPlan(it["words"], it["dispatches"], it["n_prows"], it["identity"], merge,
+                               n_dest, q_rows, slice(e0 * geom.G, e1 * geom.G)))
+    return plans
+
+
+def grid_dispatches(n_groups: int, max_per_dim: int, *, max_total: int | None = None):
+    """Split ``n_groups`` workgroups into dispatches of 2-D grids within ``max_per_dim``.
+
+    Yields ``(first, count, grid_x, grid_y)``; the kernel linearises ``y * grid_x + x`` and
+    ignores ids >= count.
+    """
+    per = max_per_dim * max_per_dim
+    if max_total is not None:
+        per = max(1, min(per, max_total))
+    first = 0
+    while first < n_groups:
+        count = min(per, n_groups - first)
+        gx = min(count, max_per_dim)
+        gy = -(-count // gx)
+        yield first, count, gx, gy
+        first += count

@@ -1,0 +1,218 @@
+"""The index branch's public functions: validate -> resolve backend -> check capabilities -> run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .._api import check_capabilities
+from .._index import build_index_arrays
+from .._types import DeviceArray, Problem
+from .._validation import check_float_array, validate_forward
+from ..backends.base import Backend
+from ..errors import DeviceError, UnsupportedError
+from ..registry import resolve_backend
+from ._types import IndexProblem, TopkProblem
+from ._validation import check_topk, validate_block_scores, validate_select_topk, local_blocks
+
+__all__ = ["block_scores", "select_topk", "sparse_attention"]
+
+
+def _check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
+    """R18: device arrays must belong to the backend that runs the call; True if any is one."""
+    dev = False
+    for a in arrays:
+        if isinstance(a, DeviceArray):
+            dev = True
+            if a.backend is not backend:
+                raise UnsupportedError(
+                    f"{fn}(): a device array of {a.backend!r} was passed to backend {backend.name!r}; "
+                    "use the backend that holds it or pass host arrays [R18]")
+    return dev
+
+
+def _index_checks(backend: Backend, fn: str, p: IndexProblem) -> None:
+    dev = _check_owner(backend, fn, p.index_k_cache)
+    check_capabilities(backend, fn, dtypes=(p.index_q.dtype, np.dtype(p.index_k_cache.dtype)),
+                       head_dim=p.index_dim, page_size=p.page_size, block_size=p.block_size,
+                       device_arrays=dev)
+
+
+def _checked_scores(backend: Backend, fn: str, scores: Any, p: IndexProblem) -> np.ndarray:
+    """A backend's block scores, checked for shape and dtype before they are ranked."""
+    want = (p.num_queries, p.num_kv_heads, p.msb)
+    s = np.asarray(scores)
+    if s.shape != want or s.dtype != np.float32:
+        raise DeviceError(f"{fn}(): backend {backend.name!r} returned block scores {s.dtype.name} "
+                          f"{s.shape}, expected float32 {want} (a backend bug)")
+    return s
+
+
+def _checked_selection(backend: Backend, fn: str, selected: Any, p: TopkProblem) -> np.ndarray:
+    """A backend's selection, checked (shape, dtype, id range) so it can never index out of bounds."""
+    want = (p.num_queries, p.num_kv_heads, p.topk)
+    s = np.asarray(selected)
+    bad = s.shape != want or s.dtype != np.int32
+    if not bad and s.size:
+        bad = int(s.min()) < -1 or int(s.max()) >= p.msb
+    if bad:
+        raise DeviceError(f"{fn}(): backend {backend.name!r} returned a selection {s.dtype.name} "
+                          f"{s.shape} outside int32 {want} with ids in [-1, {p.msb}) (a backend bug)")
+    return s
+
+
+def block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
+                 softmax_scale=None, causal=True, backend=None) -> np.ndarray:
+    """Score every block for every (query, KV head): the max of its visible index logits (R22).
+
+    Parameters
+    ----------
+    index_q : array [Tq, Hkv, d_idx], float32 or float16
+        One index query per query and KV head.
+    index_k_cache : array [P, Hk_idx, S, d_idx], float32 or float16
+        Index keys, paged like ``k_cache`` (same ``block_tables``); ``Hk_idx`` is 1 (one index key
+        head shared by every KV head, as in MSA) or ``Hkv``. May be a device array of the backend.
+    block_tables : int array [B, max_pages]
+        Physical page of each logical page, -1 = unmapped (R2).
+    cu_seqlens_q : int array [B + 1]
+        Query offsets of the sequences (R3).
+    used_kv_lens : int array [B], optional
+        KV length L_b of each sequence; default ``msb * block_size`` (R4).
+    block_size : int
+        Positive multiple of the page size (R5).
+    softmax_scale : float, optional
+        Multiplies every index logit; default ``1 / sqrt(d_idx)``.
+    causal : bool
+        Right-aligned causal visibility, as in R9 (default True).
+    backend : str, Backend or None
+
+    Returns
+    -------
+    ndarray float32 [Tq, Hkv, msb]
+        ``max`` over the block's visible positions (mapped, ``< L_b`` and, with ``causal``,
+        ``<= L_b - T_b + i``) of ``softmax_scale * index_q[t, h] . index_k[p]``; ``-inf`` for a
+        block with no visible position; NaN if a visible logit is NaN.
+
+    Raises
+    ------
+    SpecError
+        An input violates R21 (or R2-R5, R7, R8), before any backend work.
+    UnsupportedError
+        The backend does not implement the index branch or cannot run this problem (R18).
+    """
+    fn = "block_scores"
+    p = validate_block_scores(fn, index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens,
+                              block_size=block_size, softmax_scale=softmax_scale, causal=causal)
+    be = resolve_backend(backend, p.index_k_cache)
+    _index_checks(be, fn, p)
+    return _checked_scores(be, fn, be.block_scores(p), p)
+
+
+def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_lens=None, block_size=None,
+                backend=None) -> np.ndarray:
+    """Exp-free top-k over block scores, optionally forcing each query's own block (R24).
+
+    Parameters
+    ----------
+    scores : array [Tq, Hkv, msb], float32 (float16/bfloat16 widened exactly)
+        Block scores, e.g. from :func:`block_scores`. float64 is refused (rounding it could
+        create ties); cast it first.
+    topk : int
+        Slots per row, ``>= 0`` (``>= 1`` with ``force_local``). May exceed ``msb``.
+    force_local : bool
+        Put the block holding the query's own position ``L_b - T_b + i`` in slot 0 of every row
+        (counted in ``topk``). A query with ``L_b - T_b + i < 0`` has no local block.
+    cu_seqlens_q : int array [B + 1], required with ``force_local``
+    used_kv_lens : int array [B], optional
+        Default ``msb * block_size``.
+    block_size : int, required with ``force_local``
+    backend : str, Backend or None
+
+    Returns
+    -------
+    ndarray int32 [Tq, Hkv, topk]
+        Per row: the local block first (with ``force_local``), then the other blocks by
+        descending score, ties to the lower block id; ``-1`` padding at the end. NaN and
+        ``-inf`` scores are never selected (the forced local block excepted). Ids are unique
+        per row, so the result is a valid ``selected`` for :func:`paged_sparse_attn.forward`.
+
+    Raises
+    ------
+    SpecError
+        An input violates R23 (or R3-R5 for the sequence arguments).
+    """
+    fn = "select_topk"
+    p = validate_select_topk(fn, scores, topk, force_local=force_local, cu_seqlens_q=cu_seqlens_q,
+                             used_kv_lens=used_kv_lens, block_size=block_size)
+    be = resolve_backend(backend)
+    return _checked_selection(be, fn, be.select_topk(p), p)
+
+
+def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q, *,
+                     used_kv_lens=None, block_size, topk, causal=True, softmax_scale=None, backend=None,
+                     return_lse=False):
+    """MSA end to end: block scores -> top-k with the local block -> block-sparse attention (R25).
+
+    Equivalent to::
+
+        scores = block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens,
+                              block_size=block_size, causal=causal, backend=backend)
+        selected = select_topk(scores, topk, force_local=True, cu_seqlens_q=cu_seqlens_q,
+                               used_kv_lens=used_kv_lens, block_size=block_size, backend=backend)
+        forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, used_kv_lens=used_kv_lens,
+                block_size=block_size, softmax_scale=softmax_scale, causal=causal, backend=backend,
+                return_lse=return_lse)
+
+    with every input validated once, before any backend work, and all three steps on one backend.
+
+    Parameters
+    ----------
+    q : array [Tq, Hq, D]
+    k_cache, v_cache : array [P, Hkv, S, D]
+    index_q : array [Tq, Hkv, d_idx]
+    index_k_cache : array [P, Hk_idx, S, d_idx]
+        Paged like ``k_cache``: same ``P`` and page size ``S``; ``Hk_idx`` is 1 or ``Hkv``.
+    block_tables, cu_seqlens_q, used_kv_lens, block_size
+        As in :func:`paged_sparse_attn.forward`.
+    topk : int
+        Blocks per (query, KV head), ``>= 1``, the local block included.
+    causal : bool
+        Used by both the block scores and the attention (default True).
+    softmax_scale : float, optional
+        The attention's scale (default ``1 / sqrt(D)``); the block scores use ``1 / sqrt(d_idx)``.
+    backend : str, Backend or None
+    return_lse : bool
+
+    Returns
+    -------
+    out : ndarray float32 [Tq, Hq, D]
+    lse : ndarray float32 [Tq, Hq]
+        Only with ``return_lse=True``.
+    """
+    fn = "sparse_attention"
+    q_ = check_float_array(q, fn, "q", 3)
+    k_ = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
+    placeholder = np.zeros((q_.shape[0], k_.shape[1], 0), np.int32)  # selection comes later
+    p = validate_forward(fn, q_, k_, v_cache, block_tables, placeholder, cu_seqlens_q,
+                         used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
+                         causal=causal)
+    ip = validate_block_scores(fn, index_q, index_k_cache, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
+                               block_size=p.block_size, softmax_scale=None, causal=p.causal, like=p)
+    k = check_topk(topk, fn, force_local=True)
+    be = resolve_backend(backend, p.k_cache, p.v_cache, ip.index_k_cache)
+    dev = _check_owner(be, fn, p.k_cache, p.v_cache)
+    check_capabilities(be, fn, dtypes=(p.q.dtype, p.cache_dtype), head_dim=p.head_dim,
+                       page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
+    _index_checks(be, fn, ip)
+
+    scores = _checked_scores(be, fn, be.block_scores(ip), ip)
+    tp = TopkProblem(scores=scores, topk=k, force_local=True,
+                     local_block=local_blocks(p.cu_seqlens_q, p.used_kv_lens, p.block_size))
+    selected = _checked_selection(be, fn, be.select_topk(tp), tp)
+    p = dataclasses.replace(p, selected=selected)
+    index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
+                               block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    out, lse = be.forward(p, index)
+    return (out, lse) if return_lse else out
