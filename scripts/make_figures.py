@@ -208,7 +208,7 @@ SELECTED = {0: [0, 2], 1: [2, 0], 2: [1, 3], 3: [3, 0]}  # one sequence, one KV 
 
 
 def fig_kv_outer():
-    fig, (axl, axr) = plt.subplots(1, 2, figsize=(11.5, 4.8),
+    fig, (axl, axr) = plt.subplots(1, 2, figsize=(10.0, 4.6),
                                    gridspec_kw={"width_ratios": [1.0, 2.1]})
     for ax in (axl, axr):
         ax.axis("off")
@@ -253,8 +253,8 @@ def fig_kv_outer():
         _box(axr, 0.2, bot, 2.0, top - bot, _light(BLOCK_COLOURS[s]))
         qs = ", ".join(f"t{edges[e][1]}" for e in es)
         if len(es) == 1:
-            axr.text(1.2, (top + bot) / 2, f"block {s}: once for {qs}", ha="center", va="center",
-                     fontsize=7.5, fontweight="bold")
+            axr.text(1.2, (top + bot) / 2, f"block {s}: {qs}", ha="center", va="center",
+                     fontsize=8, fontweight="bold")
         else:
             axr.text(1.2, (top + bot) / 2 + 0.1, f"block {s}", ha="center", va="center",
                      fontsize=9, fontweight="bold")
@@ -264,7 +264,7 @@ def fig_kv_outer():
             _arrow(axr, (2.25, ey[e]), (3.35, ey[e]), color=BLOCK_COLOURS[s], lw=0.9)
     for e, (s, t, r) in enumerate(edges):
         _box(axr, 3.4, ey[e] - 0.22, 3.5, 0.44, "white", ec=BLOCK_COLOURS[s])
-        axr.text(5.15, ey[e], f"e{e}: t{t}, s={s}, rank {r}  →  (o, m, l)", ha="center",
+        axr.text(5.15, ey[e], f"e{e}: t{t}, s={s}, r={r} → (o, m, l)", ha="center",
                  va="center", fontsize=7.2)
     qy = {t: 4.2 - t * 1.2 for t in range(4)}
     for t, y in qy.items():

@@ -203,7 +203,7 @@ def test_R8_default_softmax_scale_is_one_over_sqrt_D():
     assert lse[0, 0] == pytest.approx(math.log(e0 + e1), rel=tolerance(f32))
     out2, _ = run(pb.with_(softmax_scale=0.5))
     np.testing.assert_array_equal(out, out2)
-    out3, lse3 = run(pb.with_(softmax_scale=-1.0))  # any finite scale, negative included
+    out3, _ = run(pb.with_(softmax_scale=-1.0))  # any finite scale, negative included
     np.testing.assert_allclose(out3[0, 0], math.exp(-3) / (math.exp(-3) + 1), rtol=tolerance(f32))
 
 
@@ -266,6 +266,7 @@ def test_R9_unmapped_pages_inside_a_selected_block_are_skipped():
     kc = np.zeros((2, 1, S, D), f32)
     vc = np.zeros((2, 1, S, D), f32)
     vc[1, 0, :, 0] = [4.0, 8.0]
+    kc[0], vc[0] = np.nan, np.nan  # physical page 0 is referenced by nobody
     bt = np.array([[-1, 1]])  # block 0 = logical pages 0 (unmapped) and 1 (physical 1)
     pb = Problem(np.zeros((1, 1, D), f32), kc, vc, bt, np.array([[[0]]]), np.array([0, 1]), None,
                  block_size=2 * S)
@@ -282,8 +283,7 @@ def test_R9_seeded_problems_match_an_independent_attended_set(causal):
     pb = make_problem(11, seqlens_q=(4, 0, 3), causal=causal, poison=False, used="random")
     mask = attended_mask(pb)
     out, lse = run(pb)
-    S, BS = pb.page_size, pb.block_size
-    G = pb.group_size
+    S, G = pb.page_size, pb.group_size
     exp = np.zeros(out.shape)
     exp_lse = np.full(lse.shape, -np.inf)
     b_of = np.repeat(np.arange(len(pb.cu_seqlens_q) - 1), np.diff(pb.cu_seqlens_q))
@@ -301,7 +301,6 @@ def test_R9_seeded_problems_match_an_independent_attended_set(causal):
             exp[t, hq] = w @ v / w.sum()
             exp_lse[t, hq] = s.max() + math.log(w.sum())
     assert_close_to_reference(out, exp, f32, lse=lse, ref_lse=exp_lse)
-    assert BS % S == 0
 
 
 # --- R10: unattended memory never leaks ---------------------------------------------------------

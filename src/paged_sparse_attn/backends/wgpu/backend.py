@@ -1,0 +1,518 @@
+"""The wgpu backend: the KV-outer pipeline (R13-R15) in WGSL on any WebGPU device.
+
+Pipeline of one call (one command encoder, one submit, one readback):
+
+1. the caches are on the device already (:meth:`WgpuBackend.upload_kv_cache`) or the slabs the
+   problem reads are uploaded (compactly) for this call;
+2. the host plans work items, cache chunks and batches from the KVOuterIndex (``_plan``);
+3. per batch: ``psa_partials.wgsl`` once per cache chunk, then ``psa_merge.wgsl`` (the combine for
+   ``forward``, the merge of per-chunk pieces for ``forward_partials`` when a block spans chunks);
+4. the results are copied to mappable buffers and read back once.
+
+``wgpu`` is imported lazily: importing this module does not need it; :meth:`WgpuBackend.probe`
+reports why the backend cannot run instead of raising.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from ...errors import DeviceError, SpecError, UnsupportedError
+from ..base import Backend
+from ._arrays import CacheLayout, WgpuArray, upload_slabs
+from ._device import DRIVER_HINT, INSTALL_HINT, DeviceContext, device_errors, open_device
+from ._plan import (
+    BatchPlan,
+    Geometry,
+    IndexView,
+    choose_geometry,
+    grid_dispatches,
+    plan_forward,
+    plan_partials,
+)
+from ._shaders import shader_source
+
+__all__ = ["WgpuBackend", "WgpuArray"]
+
+PARTIALS = "psa_partials.wgsl"
+MERGE = "psa_merge.wgsl"
+MERGE_WG = 64
+PARAM_BYTES = 32
+
+
+def _u32_record(*vals) -> np.ndarray:
+    rec = np.zeros(PARAM_BYTES // 4, dtype=np.uint32)
+    for i, v in enumerate(vals):
+        if isinstance(v, float):
+            rec[i] = np.array([v], dtype=np.float32).view(np.uint32)[0]
+        else:
+            rec[i] = int(v)
+    return rec
+
+
+class WgpuBackend(Backend):
+    """KV-outer sparse attention in WGSL through wgpu (Vulkan, Metal, D3D12; lavapipe on CPUs).
+
+    Parameters
+    ----------
+    power_preference : {"high-performance", "low-power"}
+        Adapter choice.
+    required_limits : {"adapter", "default"} or dict
+        ``"adapter"`` (default): the adapter's maximal limits. ``"default"``: WebGPU's default
+        limits (8 storage buffers per stage, 128 MiB bindings, 16 KiB workgroup memory), to check
+        portability. A dict overrides single limits on top of the defaults.
+    max_binding_size : int, optional
+        Lower the effective storage binding size (bytes). Caches are split into chunks of at most
+        this size and calls into batches whose buffers fit it; used to exercise the split paths.
+    max_workgroups_per_dim : int, optional
+        Lower the workgroups-per-dimension limit; used to exercise multi-dimensional and split
+        dispatches.
+    disable_features : tuple of str
+        Device features not to request, e.g. ``("shader-f16",)`` (float16 is then unsupported).
+    workgroup_size : int, optional
+        Invocations per workgroup of the partials kernel (default 64).
+
+    Thread safety: calls on one instance are serialised by a lock.
+    """
+
+    name: ClassVar[str] = "wgpu"
+    _probe_cache: ClassVar[Availability | None] = None
+
+    def __init__(self, *, power_preference: str = "high-performance", required_limits: Any = "adapter",
+                 max_binding_size: int | None = None, max_workgroups_per_dim: int | None = None,
+                 disable_features: tuple[str, ...] = (), workgroup_size: int | None = None):
+        if power_preference not in ("high-performance", "low-power"):
+            raise ValueError(f"WgpuBackend(): power_preference must be 'high-performance' or 'low-power', "
+                             f"got {power_preference!r}")
+        self._opts = dict(power_preference=power_preference, required_limits=required_limits,
+                          max_binding_size=max_binding_size, max_workgroups_per_dim=max_workgroups_per_dim,
+                          disable_features=tuple(disable_features))
+        self._lock = threading.RLock()
+        self._generation = 0
+        self._ctx: DeviceContext | None = None
+        self._caps: Capabilities | None = None
+        self._open()
+        wg = 64 if workgroup_size is None else int(workgroup_size)
+        if wg < 1 or wg > self._ctx.max_invocations:
+            raise ValueError(f"WgpuBackend(): workgroup_size must be in 1..{self._ctx.max_invocations}, got {wg}")
+        self._wg = wg
+
+    # --- availability and device ---------------------------------------------------------------
+
+    @classmethod
+    def probe(cls) -> Availability:
+        """Whether wgpu and an adapter are present (cached; never raises)."""
+        if cls._probe_cache is not None:
+            return cls._probe_cache
+        try:
+            try:
+                import wgpu  # noqa: F401
+            except ImportError:
+                avail = Availability(False, INSTALL_HINT)
+            else:
+                from ._device import adapter_summary, request_adapter
+
+                adapter = request_adapter("high-performance")
+                if adapter is None:
+                    avail = Availability(False, DRIVER_HINT)
+                else:
+                    avail = Availability(True, f"ok: {adapter_summary(adapter)}")
+        except Exception as exc:  # a probe never raises
+            avail = Availability(False, f"wgpu could not be initialised ({type(exc).__name__}: {exc}); {DRIVER_HINT}")
+        cls._probe_cache = avail
+        return avail
+
+    def _open(self) -> None:
+        self._generation += 1
+        self._ctx = open_device(generation=self._generation, **self._opts)
+        self._caps = None
+
+    def _device(self) -> DeviceContext:
+        if self._ctx is None:
+            self._open()
+        return self._ctx
+
+    def close(self) -> None:
+        """Release the device; resident arrays of this backend become unusable."""
+        with self._lock:
+            ctx, self._ctx = self._ctx, None
+            self._generation += 1
+            if ctx is not None:
+                ctx.pipelines.clear()
+                try:
+                    ctx.device.destroy()
+                except Exception:
+                    pass
+
+    @property
+    def device_summary(self) -> str:
+        return self._device().summary
+
+    @property
+    def capabilities(self) -> Capabilities:
+        if self._caps is None:
+            ctx = self._device()
+            f16 = "shader-f16" in ctx.features
+            limits = dict(ctx.limits)
+            limits["effective_storage_binding_size"] = ctx.binding_size
+            limits["effective_workgroups_per_dimension"] = ctx.workgroups_per_dim
+            self._caps = Capabilities(
+                dtypes=("float32", "float16") if f16 else ("float32",),
+                max_head_dim=256,
+                max_page_size=128,
+                max_block_size=None,
+                device_arrays=True,
+                deterministic=True,
+                features=frozenset(ctx.features),
+                limits=limits,
+                device=ctx.summary,
+            )
+        return self._caps
+
+    def __repr__(self) -> str:
+        dev = self._ctx.summary if self._ctx is not None else "closed"
+        return f"<WgpuBackend {dev!r}>"
+
+    # --- pipelines ---------------------------------------------------------------------------------
+
+    def _bind_layout(self, kernel: str):
+        import wgpu
+
+        ctx = self._device()
+        if kernel not in ctx.layouts:
+            ro = {"type": wgpu.BufferBindingType.read_only_storage}
+            rw = {"type": wgpu.BufferBindingType.storage}
+            un = {"type": wgpu.BufferBindingType.uniform}
+            kinds = [un, ro, ro, ro, ro, rw, rw] if kernel == PARTIALS else [un, ro, ro, ro, rw, rw]
+            entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": k}
+                       for i, k in enumerate(kinds)]
+            with device_errors(f"bind group layout of {kernel}"):
+                bgl = ctx.device.create_bind_group_layout(entries=entries)
+                pl = ctx.device.create_pipeline_layout(bind_group_layouts=[bgl])
+            ctx.layouts[kernel] = (bgl, pl)
+        return ctx.layouts[kernel]
+
+    def _pipeline(self, kernel: str, f16: bool, constants: dict[str, int]):
+        ctx = self._device()
+        key = (kernel, f16, tuple(sorted(constants.items())))
+        hit = ctx.pipelines.get(key)
+        if hit is None:
+            bgl, pl = self._bind_layout(kernel)
+            with device_errors(f"pipeline creation of {kernel}", f16=f16, **constants):
+                module = ctx.device.create_shader_module(code=shader_source(kernel, f16=f16), label=kernel)
+                pipe = ctx.device.create_compute_pipeline(
+                    layout=pl, compute={"module": module, "entry_point": "main", "constants": constants},
+                    label=kernel)
+            hit = (pipe, bgl)
+            ctx.pipelines[key] = hit
+        return hit
+
+    # --- device-resident caches --------------------------------------------------------------------
+
+    def _check_cache_dtype(self, dtype: np.dtype, fn: str) -> None:
+        name = np.dtype(dtype).name
+        if name not in self.capabilities.dtypes:
+            extra = " (the device lacks the shader-f16 feature)" if name == "float16" else ""
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' cannot hold a {name} cache{extra}; "
+                                   f"supported: {', '.join(self.capabilities.dtypes)} [R18]")
+
+    def upload_kv_cache(self, k_cache, v_cache) -> tuple[WgpuArray, WgpuArray]:
+        """Copy paged K and V caches ``[P, Hkv, S, D]`` to the device, to reuse across calls.
+
+        Returns
+        -------
+        (WgpuArray, WgpuArray)
+            Pass them to :func:`paged_sparse_attn.forward` in place of the numpy caches; update
+            pages with :meth:`update_pages`; free with ``.release()``.
+        """
+        from ..._validation import check_float_array
+
+        fn = "upload_kv_cache"
+        k = check_float_array(k_cache, fn, "k_cache", 4)
+        v = check_float_array(v_cache, fn, "v_cache", 4)
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise SpecError(f"{fn}(): k_cache and v_cache must have the same shape and dtype, got "
+                            f"{k.shape} {k.dtype.name} and {v.shape} {v.dtype.name} [R1]", "R1")
+        self._check_cache_dtype(k.dtype, fn)
+        with self._lock:
+            ctx = self._device()
+            layout = CacheLayout.make(k.shape, k.dtype, ctx.binding_size)
+            kb = upload_slabs(ctx.device, k, layout, "k_cache")
+            try:
+                vb = upload_slabs(ctx.device, v, layout, "v_cache")
+            except BaseException:
+                for b in kb:
+                    b.destroy()
+                raise
+            ka = WgpuArray(self, layout, kb, self._generation, "k_cache")
+            va = WgpuArray(self, layout, vb, self._generation, "v_cache")
+            return ka, va
+
+    def update_pages(self, k_dev: WgpuArray, v_dev: WgpuArray, page_ids, k_pages, v_pages) -> None:
+        """Overwrite whole pages of resident caches (e.g. after appending tokens in a decode loop).
+
+        Parameters
+        ----------
+        k_dev, v_dev : WgpuArray
+            From :meth:`upload_kv_cache`.
+        page_ids : int array [n]
+            Physical page ids in ``[0, P)``.
+        k_pages, v_pages : array [n, Hkv, S, D]
+            New contents, same dtype as the caches.
+        """
+        with self._lock:
+            self._write_pages(k_dev, page_ids, k_pages)
+            self._write_pages(v_dev, page_ids, v_pages)
+
+    def _own(self, arr: WgpuArray, fn: str) -> None:
+        if not isinstance(arr, WgpuArray) or arr.backend is not self:
+            raise UnsupportedError(f"{fn}(): expected a WgpuArray of this backend, got {arr!r} [R18]")
+
+    def _write_pages(self, arr: WgpuArray, page_ids, pages) -> None:
+        fn = "update_pages"
+        self._own(arr, fn)
+        P, Hkv, S, D = arr.shape
+        ids = np.asarray(page_ids)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise SpecError(f"{fn}(): page_ids must be a 1-D integer array, got {ids.dtype} {ids.shape} [R2]", "R2")
+        ids = ids.astype(np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= P):
+            raise SpecError(f"{fn}(): page_ids must lie in [0, {P}), got {ids.min()}..{ids.max()} [R2]", "R2")
+        data = np.asarray(pages)
+        if data.shape != (ids.shape[0], Hkv, S, D) or data.dtype != arr.dtype:
+            raise SpecError(f"{fn}(): pages must be {arr.dtype.name} [{ids.shape[0]}, {Hkv}, {S}, {D}], "
+                            f"got {data.dtype.name} {list(data.shape)} [R1]", "R1")
+        lay = arr.layout
+        bufs = arr.buffers()
+        ctx = self._device()
+        rows = data.reshape(ids.shape[0] * Hkv, S * D)
+        if lay.slab_stride != S * D:
+            rows = np.pad(rows, ((0, 0), (0, lay.slab_stride - S * D)))
+        rows = np.ascontiguousarray(rows, dtype=lay.dtype)
+        gslab = (ids[:, None] * Hkv + np.arange(Hkv)).ravel()
+        chunk = np.searchsorted(lay.chunk_starts, gslab, side="right") - 1
+        with device_errors(f"{fn} of {arr._label}", pages=int(ids.shape[0])):
+            # consecutive slabs of one chunk go in one write
+            i = 0
+            n = gslab.shape[0]
+            while i < n:
+                j = i + 1
+                while j < n and chunk[j] == chunk[i] and gslab[j] == gslab[j - 1] + 1:
+                    j += 1
+                off = (int(gslab[i]) - int(lay.chunk_starts[chunk[i]])) * lay.slab_bytes
+                ctx.device.queue.write_buffer(bufs[int(chunk[i])], off, rows[i:j])
+                i = j
+
+    def _read_cache(self, arr: WgpuArray) -> np.ndarray:
+        self._own(arr, "to_numpy")
+        with self._lock:
+            ctx = self._device()
+            lay = arr.layout
+            P, Hkv, S, D = arr.shape
+            parts = []
+            with device_errors(f"readback of {arr._label}", chunks=lay.n_chunks):
+                for c, buf in enumerate(arr.buffers()):
+                    n = int(lay.chunk_starts[c + 1] - lay.chunk_starts[c])
+                    if n == 0:
+                        continue
+                    raw = ctx.device.queue.read_buffer(buf, 0, n * lay.slab_bytes)
+                    parts.append(np.frombuffer(raw, dtype=lay.dtype).reshape(n, lay.slab_stride)[:, :S * D])
+            flat = np.concatenate(parts) if parts else np.zeros((0, S * D), dtype=lay.dtype)
+            return flat.reshape(P, Hkv, S, D).copy()
+
+    # --- the forward pipeline ----------------------------------------------------------------------
+
+    def _cache_buffers(self, problem: Problem, view: IndexView):
+        """(k chunk buffers, v chunk buffers, layout, temporaries to free after the call)."""
+        k, v = problem.k_cache, problem.v_cache
+        ctx = self._device()
+        dev = [a for a in (k, v) if isinstance(a, DeviceArray)]
+        for a in dev:
+            self._own(a, "forward")
+        self._check_cache_dtype(problem.cache_dtype, "forward")
+        if len(dev) == 2:
+            if not k.layout.same_as(v.layout):
+                raise UnsupportedError("forward(): k_cache and v_cache were uploaded with different layouts [R18]")
+            return k.buffers(), v.buffers(), k.layout, []
+        if len(dev) == 1:  # one side resident: upload the other with the same (full) layout
+            lay = dev[0].layout
+            host = v if dev[0] is k else k
+            tmp = upload_slabs(ctx.device, np.asarray(host), lay, "cache")
+            kb, vb = (k.buffers(), tmp) if dev[0] is k else (tmp, v.buffers())
+            return kb, vb, lay, tmp
+        # host caches: upload only the slabs this problem reads (compact numbering)
+        lay = CacheLayout.make(k.shape, k.dtype, ctx.binding_size, slab_ids=view.needed_slabs())
+        kb = upload_slabs(ctx.device, k, lay, "k_cache")
+        try:
+            vb = upload_slabs(ctx.device, v, lay, "v_cache")
+        except BaseException:
+            for b in kb:
+                b.destroy()
+            raise
+        return kb, vb, lay, kb + vb
+
+    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+        Hkv = index.num_kv_heads
+        G = problem.num_q_heads // Hkv
+        D = problem.head_dim
+        E = index.num_edges
+        o = np.zeros((E * G, D), dtype=np.float32)
+        ml = np.zeros((E * G, 2), dtype=np.float32)
+        if E:
+            self._run(problem, index, "partials", o, ml)
+        l = ml[:, 1].copy()  # noqa: E741
+        m = np.where(l > 0, ml[:, 0], np.float32(-np.inf)).astype(np.float32)
+        return Partials(o.reshape(E, G, D), m.reshape(E, G), l.reshape(E, G))
+
+    def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+        Tq, Hq, D = problem.q.shape
+        o = np.zeros((Tq * Hq, D), dtype=np.float32)
+        ml = np.zeros((Tq * Hq, 2), dtype=np.float32)
+        if index.num_edges:
+            self._run(problem, index, "forward", o, ml)
+        l = ml[:, 1].astype(np.float64)  # noqa: E741
+        with np.errstate(divide="ignore"):
+            lse = np.where(l > 0, ml[:, 0].astype(np.float64) + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+        return o.reshape(Tq, Hq, D), lse.astype(np.float32).reshape(Tq, Hq)
+
+    def _run(self, problem: Problem, index: KVOuterIndex, mode: str, o: np.ndarray, ml: np.ndarray) -> None:
+        with self._lock:
+            try:
+                self._run_locked(problem, index, mode, o, ml)
+            except DeviceError as exc:
+                if "lost" in str(exc).lower():
+                    self.close()  # the next call opens a new device
+                raise
+
+    def _run_locked(self, problem, index, mode, o, ml) -> None:
+        ctx = self._device()
+        Tq, Hq, D = problem.q.shape
+        Hkv = index.num_kv_heads
+        G = Hq // Hkv
+        view = IndexView(index, G)
+        kbufs, vbufs, layout, temps = self._cache_buffers(problem, view)
+        try:
+            geom = choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
+                                   rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=layout.itemsize,
+                                   wg_size=self._wg, wg_storage=ctx.workgroup_storage)
+            smap = layout.slab_map()
+            plans = (plan_forward if mode == "forward" else plan_partials)(view, geom, smap, ctx.binding_size)
+            q_rows = problem.q.reshape(Tq * Hkv, G * D)
+            self._execute(ctx, plans, q_rows, geom, layout, kbufs, vbufs, float(problem.softmax_scale),
+                          normalize=(mode == "forward"), o=o, ml=ml)
+        finally:
+            for b in temps:
+                try:
+                    b.destroy()
+                except Exception:
+                    pass
+
+    def _execute(self, ctx: DeviceContext, plans: list[BatchPlan], q_rows: np.ndarray, geom: Geometry,
+                 layout: CacheLayout, kbufs: list, vbufs: list, scale: float, *, normalize: bool,
+                 o: np.ndarray, ml: np.ndarray) -> None:
+        import wgpu
+
+        if not plans:
+            return
+        dev = ctx.device
+        D = geom.D
+        f16 = layout.itemsize == 2
+        sizes = dict(D=D, G=geom.G, S=geom.S, TK=geom.TK, RMAX=geom.RMAX, batches=len(plans),
+                     chunks=layout.n_chunks)
+        owned: list = []
+
+        def buf(nbytes: int, usage, label: str):
+            b = dev.create_buffer(size=max(16, int(nbytes) + (-int(nbytes)) % 4), usage=usage, label=label)
+            owned.append(b)
+            return b
+
+        def data_buf(arr: np.ndarray, label: str, usage=None):
+            arr = np.ascontiguousarray(arr)
+            if arr.nbytes < 16:
+                arr = np.concatenate([arr.reshape(-1).view(np.uint8), np.zeros(16 - arr.nbytes, np.uint8)])
+            b = dev.create_buffer_with_data(data=arr, usage=usage or wgpu.BufferUsage.STORAGE, label=label)
+            owned.append(b)
+            return b
+
+        S_ = wgpu.BufferUsage.STORAGE
+        try:
+            with device_errors("wgpu forward", **sizes):
+                pipe_p, bgl_p = self._pipeline(PARTIALS, f16, geom.constants())
+                pipe_m, bgl_m = self._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
+                scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
+                scratch_o = scratch_ml = None
+                if scratch_rows:
+                    scratch_o = buf(scratch_rows * D * 4, S_, "partials.o")
+                    scratch_ml = buf(scratch_rows * 8, S_, "partials.ml")
+                enc = dev.create_command_encoder(label="paged_sparse_attn")
+                readbacks = []
+                maxdim = ctx.workgroups_per_dim
+                align = ctx.uniform_align
+                for bp in plans:
+                    q_local = np.ascontiguousarray(q_rows[bp.q_rows], dtype=np.float32)
+                    qbuf = data_buf(q_local, "q")
+                    planbuf = data_buf(bp.plan_words, "plan")
+                    out_o = buf(bp.n_dest * D * 4, S_ | wgpu.BufferUsage.COPY_SRC, "out.o")
+                    out_ml = buf(bp.n_dest * 8, S_ | wgpu.BufferUsage.COPY_SRC, "out.ml")
+                    part_o, part_ml = (out_o, out_ml) if bp.identity else (scratch_o, scratch_ml)
+
+                    records, calls = [], []
+                    for chunk, first, count in bp.dispatches:
+                        for f2, c2, gx, gy in grid_dispatches(count, maxdim):
+                            records.append(_u32_record(first + f2, c2, gx, geom.G, layout.slab_stride, scale))
+                            calls.append(("p", chunk, gx, gy))
+                    if bp.merge_words is not None:
+                        per = max(1, min(maxdim * maxdim * MERGE_WG // D, (1 << 30) // D))
+                        for d0 in range(0, bp.n_dest, per):
+                            nd = min(per, bp.n_dest - d0)
+                            wgs = -(-nd * D // MERGE_WG)
+                            gx = min(wgs, maxdim)
+                            gy = -(-wgs // gx)
+                            records.append(_u32_record(d0, nd, gx, bp.elem_off, int(normalize)))
+                            calls.append(("m", None, gx, gy))
+                    params = np.zeros((len(records), align // 4), dtype=np.uint32)
+                    for i, r in enumerate(records):
+                        params[i, :r.shape[0]] = r
+                    pbuf = data_buf(params, "params", wgpu.BufferUsage.UNIFORM)
+                    mbuf = data_buf(bp.merge_words, "merge") if bp.merge_words is not None else None
+
+                    cp = enc.begin_compute_pass()
+                    for i, (kind, chunk, gx, gy) in enumerate(calls):
+                        pres = {"buffer": pbuf, "offset": i * align, "size": PARAM_BYTES}
+                        if kind == "p":
+                            res = [pres, {"buffer": qbuf}, {"buffer": kbufs[chunk]}, {"buffer": vbufs[chunk]},
+                                   {"buffer": planbuf}, {"buffer": part_o}, {"buffer": part_ml}]
+                            pipe, bgl = pipe_p, bgl_p
+                        else:
+                            res = [pres, {"buffer": scratch_o}, {"buffer": scratch_ml}, {"buffer": mbuf},
+                                   {"buffer": out_o}, {"buffer": out_ml}]
+                            pipe, bgl = pipe_m, bgl_m
+                        bg = dev.create_bind_group(layout=bgl, entries=[
+                            {"binding": j, "resource": r} for j, r in enumerate(res)])
+                        cp.set_pipeline(pipe)
+                        cp.set_bind_group(0, bg)
+                        cp.dispatch_workgroups(gx, gy, 1)
+                    cp.end()
+                    rb_o = buf(bp.n_dest * D * 4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.o")
+                    rb_ml = buf(bp.n_dest * 8, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.ml")
+                    enc.copy_buffer_to_buffer(out_o, 0, rb_o, 0, bp.n_dest * D * 4)
+                    enc.copy_buffer_to_buffer(out_ml, 0, rb_ml, 0, bp.n_dest * 8)
+                    readbacks.append((bp, rb_o, rb_ml))
+                dev.queue.submit([enc.finish()])
+                for bp, rb_o, rb_ml in readbacks:
+                    rb_o.map_sync(wgpu.MapMode.READ)
+                    o[bp.dest] = np.frombuffer(rb_o.read_mapped(0, bp.n_dest * D * 4), dtype=np.float32).reshape(-1, D)
+                    rb_o.unmap()
+                    rb_ml.map_sync(wgpu.MapMode.READ)
+                    ml[bp.dest] = np.frombuffer(rb_ml.read_mapped(0, bp.n_dest * 8), dtype=np.float32).reshape(-1, 2)
+                    rb_ml.unmap()
+        finally:
+            for b in owned:
+                try:
+                    b.destroy()
+                except Exception:
+                    pass

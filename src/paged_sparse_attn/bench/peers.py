@@ -1,0 +1,176 @@
+"""Peers measured on the same problems, when torch (with a GPU) is importable.
+
+Each function takes the problem dict of :func:`~paged_sparse_attn.bench.workloads.make_problem`
+and returns seconds per call measured with CUDA events (median of ``repeat`` after warm-up).
+All peers compute attention over the same query heads; the dense ones over the full causal KV.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["torch_available", "cuda_time", "copy_bandwidth", "PEERS"]
+
+
+def torch_available() -> tuple[bool, str]:
+    """Whether torch with a CUDA device can be used for peers, and why not."""
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return False, f"torch not importable ({exc.__class__.__name__})"
+    if not torch.cuda.is_available():
+        return False, "torch has no CUDA device"
+    return True, f"torch {torch.__version__} on {torch.cuda.get_device_name()}"
+
+
+def cuda_time(fn: Callable[[], Any], repeat: int = 20, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` measured with CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return float(np.median(times))
+
+
+def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), repeat)
+    del src, dst
+    return 2 * nbytes / t
+
+
+def _queries_dense(problem, torch, dtype):
+    """Per sequence: q [1, Hq, T, D], full K/V [1, Hkv, L, D] (pages resolved), causal mask."""
+    q = torch.as_tensor(problem["q"], device="cuda").to(dtype)
+    kc = torch.as_tensor(problem["k_cache"], device="cuda").to(dtype)
+    vc = torch.as_tensor(problem["v_cache"], device="cuda").to(dtype)
+    bt = np.asarray(problem["block_tables"])
+    cu = np.asarray(problem["cu_seqlens_q"])
+    lens = np.asarray(problem["used_kv_lens"])
+    seqs = []
+    for b in range(bt.shape[0]):
+        L = int(lens[b])
+        S = kc.shape[2]
+        pages = torch.as_tensor(bt[b, : -(-L // S)], device="cuda", dtype=torch.long)
+        k = kc[pages].permute(1, 0, 2, 3).reshape(kc.shape[1], -1, kc.shape[3])[:, :L][None]
+        v = vc[pages].permute(1, 0, 2, 3).reshape(vc.shape[1], -1, vc.shape[3])[:, :L][None]
+        qb = q[cu[b]:cu[b + 1]].permute(1, 0, 2)[None]
+        seqs.append((qb, k.contiguous(), v.contiguous(), L))
+    return seqs
+
+
+def dense_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -> float:
+    """torch SDPA over the full KV of every sequence (GQA), right-aligned causal via a bool mask.
+
+    The mask is only needed when a sequence has more than one query (prefill); decode with one
+    query per sequence attends everything. Sequences of equal shape are batched.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype_name)
+    seqs = _queries_dense(problem, torch, dt)
+    T, L = seqs[0][0].shape[2], seqs[0][3]
+    q = torch.cat([s[0] for s in seqs]); k = torch.cat([s[1] for s in seqs]); v = torch.cat([s[2] for s in seqs])
+    mask = None
+    if problem["causal"] and T > 1:
+        i = torch.arange(T, device="cuda")[:, None]
+        p = torch.arange(L, device="cuda")[None, :]
+        mask = p <= (L - T + i)
+    return cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), repeat)
+
+
+def gather_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -> float:
+    """torch: gather the selected blocks' pages of every (query, KV head), then SDPA per query.
+
+    Decode-shaped: one query per sequence; the gathered K/V is [Tq, Hkv, topk*BS, D]. Timed:
+    the gather (index_select over pages) plus SDPA, both on the GPU.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype_name)
+    kc = torch.as_tensor(problem["k_cache"], device="cuda").to(dt)
+    vc = torch.as_tensor(problem["v_cache"], device="cuda").to(dt)
+    q = torch.as_tensor(problem["q"], device="cuda").to(dt)
+    sel = np.asarray(problem["selected"])
+    bt = np.asarray(problem["block_tables"])
+    cu = np.asarray(problem["cu_seqlens_q"])
+    P, Hkv, S, D = kc.shape
+    BS = problem["block_size"]
+    ppb = BS // S
+    Tq, _, K = sel.shape
+    b = np.repeat(np.arange(bt.shape[0]), np.diff(cu))
+    s = np.where(sel >= 0, sel, 0)
+    pages = bt[b[:, None, None, None], s[..., None] * ppb + np.arange(ppb)]  # [Tq, Hkv, K, ppb]
+    pages = torch.as_tensor(np.where(pages >= 0, pages, 0), device="cuda", dtype=torch.long)
+    heads = torch.arange(Hkv, device="cuda")[None, :, None, None].expand_as(pages)
+    valid = torch.as_tensor(np.repeat((sel >= 0)[..., None], ppb * S, -1).reshape(Tq, Hkv, -1), device="cuda")
+    G = q.shape[1] // Hkv
+    qh = q.view(Tq, Hkv, G, D)
+
+    def run():
+        k = kc[pages, heads].reshape(Tq, Hkv, K * BS, D)  # gather [Tq, Hkv, K*BS, D]
+        v = vc[pages, heads].reshape(Tq, Hkv, K * BS, D)
+        return F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, :, None, :])
+
+    return cuda_time(run, repeat)
+
+
+def flex_blockmask(problem: dict, dtype_name: str = "bfloat16", repeat: int = 10) -> float:
+    """torch FlexAttention with a BlockMask built from the same selection.
+
+    Sequences (equal T and L in the bench workloads) are batched over dense, contiguous K/V
+    (pages resolved). The mask_mod allows position p for query t iff block p // BS is in
+    ``selected[t, h]`` and p obeys right-aligned causal. Compiled once; the timed calls exclude
+    compilation and BlockMask construction.
+    """
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    dt = getattr(torch, dtype_name)
+    seqs = _queries_dense(problem, torch, dt)
+    q = torch.cat([s[0] for s in seqs]); k = torch.cat([s[1] for s in seqs]); v = torch.cat([s[2] for s in seqs])
+    B, Hq, T, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    BS = problem["block_size"]
+    nblk = -(-L // BS)
+    sel = np.asarray(problem["selected"]).reshape(B, T, Hkv, -1)
+    allow = np.zeros((B, T, Hkv, nblk), dtype=bool)
+    b_, t_, h_, r_ = np.nonzero(sel >= 0)
+    allow[b_, t_, h_, sel[b_, t_, h_, r_]] = True
+    allow_t = torch.as_tensor(allow, device="cuda")
+    off = L - T
+    causal = bool(problem["causal"])
+
+    def mask_mod(bi, hi, qi, ki):
+        ok = allow_t[bi, qi, hi // G, ki // BS]
+        return ok & (ki <= qi + off) if causal else ok
+
+    bm = create_block_mask(mask_mod, B=B, H=Hq, Q_LEN=T, KV_LEN=L, device="cuda")
+    flex = torch.compile(flex_attention, dynamic=False)
+    return cuda_time(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True), repeat)
+
+
+PEERS = {
+    "torch dense SDPA bf16": lambda p: dense_sdpa(p, "bfloat16"),
+    "torch dense SDPA f32": lambda p: dense_sdpa(p, "float32"),
+    "torch gather+SDPA bf16": lambda p: gather_sdpa(p, "bfloat16"),
+    "torch FlexAttention bf16": lambda p: flex_blockmask(p, "bfloat16"),
+}
