@@ -17,7 +17,7 @@ from .errors import (
     UnsupportedError,
 )
 from .reference import dense_reference, lse_from_base2, lse_to_base2, merge_states
-from .registry import get_backend, list_backends, register_backend, use_backend
+from .registry import get_backend, list_backends, register_backend, unregister_backend, use_backend
 
 __version__ = "0.1.0"
 
@@ -33,6 +33,7 @@ __all__ = [
     "list_backends",
     "get_backend",
     "register_backend",
+    "unregister_backend",
     "use_backend",
     "Backend",
     "Availability",

@@ -21,6 +21,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "DEFAULT_BACKEND",
     "register_backend",
+    "unregister_backend",
     "list_backends",
     "get_backend",
     "resolve_backend",
@@ -98,6 +99,30 @@ def register_backend(name: str, factory: Callable[..., Backend] | str, *, replac
         _registered[name] = factory
         _instances.pop(name, None)
         _broken.pop(name, None)
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a runtime registration (and its cached instance). Built-ins cannot be removed."""
+    with _lock:
+        if name in _BUILTIN and name not in _registered:
+            raise ValueError(f"unregister_backend(): {name!r} is a built-in backend")
+        _registered.pop(name, None)
+        inst = _instances.pop(name, None)
+        _broken.pop(name, None)
+    if inst is not None:
+        inst.close()
+
+
+def _reset_for_tests() -> None:
+    """Forget plugins, registrations and instances (tests of the entry-point machinery)."""
+    global _plugins_loaded
+    with _lock:
+        for inst in _instances.values():
+            inst.close()
+        _registered.clear()
+        _instances.clear()
+        _broken.clear()
+        _plugins_loaded = False
 
 
 def _names() -> list[str]:

@@ -103,8 +103,11 @@ def kvouter_partials(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, in
     counts = np.diff(index.slot_ptr).astype(np.int64)
     lens = index.used_kv_lens.astype(np.int64)
     offs = np.arange(BS, dtype=np.int64)
-    for n_max, sl in _chunks(counts, G, BS, D):
-        _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l)
+    # NaN/Inf in attended data propagate to their rows only (IEEE), silently as in numpy's
+    # own reductions; masked positions never reach the arithmetic.
+    with np.errstate(invalid="ignore", over="ignore"):
+        for n_max, sl in _chunks(counts, G, BS, D):
+            _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l)
     return Partials(o, m, l)
 
 
