@@ -7,7 +7,11 @@ sparse_attention against ``dense_reference`` with the same selection.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -355,9 +359,9 @@ def test_R24_topk_zero_without_force_local_and_low_precision_scores():
 @given(layout=layouts, topk=st.integers(1, 3), force_local=st.booleans())
 def test_R22_R24_causal_never_selects_a_block_wholly_in_the_future(layout, topk, force_local):
     c = make_case(**layout)
-    kw = dict(block_size=c["block_size"], cu_seqlens_q=c["cu_seqlens_q"], used_kv_lens=c["used_kv_lens"])
-    sel = select_topk(block_scores(*score_args(c), block_size=c["block_size"]), topk,
-                      force_local=force_local, **{k: kw[k] for k in ("cu_seqlens_q", "used_kv_lens", "block_size")})
+    scores = block_scores(*score_args(c), block_size=c["block_size"])
+    sel = select_topk(scores, topk, force_local=force_local, cu_seqlens_q=c["cu_seqlens_q"],
+                      used_kv_lens=c["used_kv_lens"], block_size=c["block_size"])
     for t, (b, pos) in enumerate(query_pos(c)):
         ids = sel[t][sel[t] >= 0]
         assert (ids * c["block_size"] <= pos).all(), (t, pos, ids)
@@ -547,3 +551,15 @@ def test_R18_backend_without_index_branch_is_unsupported():
                          topk=2, backend=NoIndex())
     with pytest.raises(psa.UnsupportedError, match="select_topk"):
         select_topk(SC, 1, force_local=False, backend=NoIndex())
+
+
+def test_R25_user_guide_example_runs_and_prints_what_it_shows():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "index-branch.md").read_text()
+    code = re.search(r"## Example.*?```python\n(.*?)```", text, re.S).group(1)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code, "docs/index-branch.md", "exec"), {})
+    # printed arrays are shown as comments "# [...]", optionally followed by 3+ spaces and a note
+    shown = [re.split(r"\s{3,}", ln[1:].strip())[0] for ln in code.splitlines() if re.match(r"#\s+\[", ln)]
+    printed = [ln.strip() for ln in buf.getvalue().splitlines()]
+    assert printed == shown

@@ -154,11 +154,23 @@ def test_other_float_dtypes_are_refused_not_converted_R7():
         assert info.value.rule == "R7"
 
 
-@pytest.mark.parametrize("bad", [[[1.0]], 3.0, object()], ids=["list", "scalar", "object"])
+@pytest.mark.parametrize("bad", [3.0, None, object()], ids=["scalar", "none", "object"])
 def test_non_arrays_are_refused_R7(bad):
     arrays, kw = problem()
     with pytest.raises(psa.SpecError, match=r"q must be an array.*\[R7\]"):
         psa.forward(**{**arrays, "q": bad}, **kw)
+
+
+def test_python_lists_float_refused_int_converted_R7():
+    arrays, kw = problem()
+    # float lists become float64, which q/k/v refuse rather than convert
+    with pytest.raises(psa.SpecError, match=r"q must have dtype.*float64.*\[R7\]"):
+        psa.forward(**{**arrays, "q": arrays["q"].tolist()}, **kw)
+    # integer lists are index arrays like any other (int64 -> int32 after the range check)
+    prob, out, _ = run({**arrays, "selected": arrays["selected"].tolist(),
+                        "cu_seqlens_q": arrays["cu_seqlens_q"].tolist()}, kw)
+    assert prob.selected.dtype == np.int32
+    np.testing.assert_array_equal(out, run(arrays, kw)[1])
 
 
 def test_other_entry_points_accept_protocol_inputs():

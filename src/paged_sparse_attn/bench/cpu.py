@@ -17,11 +17,17 @@ from .._index import build_index_arrays
 from .._validation import validate_forward
 from .workloads import Workload, make_problem, needed_kv_bytes
 
-__all__ = ["CPU_WORKLOADS", "attention_flops", "gather_floor", "matmul_gflops", "run_cpu"]
+__all__ = ["CPU_WORKLOADS", "QUICK_CPU_WORKLOADS", "attention_flops", "gather_floor", "matmul_gflops", "run_cpu"]
 
 CPU_WORKLOADS = (
     Workload("cpu-decode", B=16, L=16384, Tq_per_seq=1, page_size=16, block_size=64, dtype="float32"),
     Workload("cpu-prefill", B=2, L=8192, Tq_per_seq=256, page_size=16, block_size=64, dtype="float32"),
+)
+
+# a smoke-test size of the same geometry (CI runs it without timing assertions)
+QUICK_CPU_WORKLOADS = (
+    Workload("cpu-decode-quick", B=2, L=1024, Tq_per_seq=1, page_size=16, block_size=64, dtype="float32"),
+    Workload("cpu-prefill-quick", B=1, L=1024, Tq_per_seq=32, page_size=16, block_size=64, dtype="float32"),
 )
 
 

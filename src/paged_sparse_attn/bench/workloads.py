@@ -68,8 +68,11 @@ def needed_kv_bytes(problem: dict) -> int:
     return int(tokens * D * np.dtype(kc.dtype).itemsize * 2)
 
 
-def make_problem(w: Workload, seed: int = 0):
+def make_problem(w: Workload, seed: int = 0, fill: str = "all"):
     """Random problem for workload ``w``: scrambled physical pages, local block + random top-k.
+
+    ``fill="selected"`` draws random values only for the pages some query selects and leaves
+    the others zero (they are never read; this keeps very large caches cheap to build).
 
     Returns
     -------
@@ -84,8 +87,6 @@ def make_problem(w: Workload, seed: int = 0):
     max_pages = msb * ppb
     P = w.B * max_pages
     dt = np.dtype(w.dtype)
-    k = rng.standard_normal((P, w.Hkv, S, w.D), dtype=np.float32).astype(dt)
-    v = rng.standard_normal((P, w.Hkv, S, w.D), dtype=np.float32).astype(dt)
     bt = rng.permutation(P).astype(np.int32).reshape(w.B, max_pages)
     T = w.Tq_per_seq
     Tq = w.B * T
@@ -105,5 +106,18 @@ def make_problem(w: Workload, seed: int = 0):
     top = np.argsort(-scores, axis=-1, kind="stable")[..., :k_eff]
     chosen = np.take_along_axis(scores, top, -1) >= 0
     sel[..., :k_eff] = np.where(chosen, top, -1)
+    if fill == "all":
+        k = rng.standard_normal((P, w.Hkv, S, w.D), dtype=np.float32).astype(dt)
+        v = rng.standard_normal((P, w.Hkv, S, w.D), dtype=np.float32).astype(dt)
+    else:
+        k = np.zeros((P, w.Hkv, S, w.D), dtype=dt)
+        v = np.zeros((P, w.Hkv, S, w.D), dtype=dt)
+        b = np.repeat(np.arange(w.B), T)
+        t_, h_, r_ = np.nonzero(sel >= 0)
+        blocks = np.unique(np.stack([b[t_], sel[t_, h_, r_]], 1), axis=0)
+        pages = np.unique(bt[blocks[:, :1], blocks[:, 1:] * ppb + np.arange(ppb)])
+        shape = (pages.shape[0], w.Hkv, S, w.D)
+        k[pages] = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+        v[pages] = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     return dict(q=q, k_cache=k, v_cache=v, block_tables=bt, selected=sel, cu_seqlens_q=cu,
                 used_kv_lens=lens, block_size=BS, causal=w.causal)

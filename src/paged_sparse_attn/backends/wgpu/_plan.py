@@ -362,7 +362,8 @@ def _segments(dest: np.ndarray, keys: tuple, prow: np.ndarray, n_dest: int) -> n
     return np.concatenate([ptr, prow[order]]).astype(np.uint32)
 
 
-def _batches(costs: list[np.ndarray], caps: list[int], what: str) -> list[tuple[int, int]]:
+def _batches(costs: list[np.ndarray], caps: list[int], names: list[str], what: str,
+             binding: int) -> list[tuple[int, int]]:
     """Greedy split of units 0..n-1 into ranges whose summed costs stay within the caps."""
     n = costs[0].shape[0]
     cums = [_excl_cumsum(c) for c in costs]
@@ -373,9 +374,12 @@ def _batches(costs: list[np.ndarray], caps: list[int], what: str) -> list[tuple[
         for cum, cap in zip(cums, caps):
             b = min(b, int(np.searchsorted(cum, cum[a] + cap, side="right")) - 1)
         if b <= a:
+            over = [f"{int(c[a])} {nm} (at most {cap} fit)" for c, cap, nm in zip(costs, caps, names)
+                    if c[a] > cap]
             raise UnsupportedError(
-                f"backend 'wgpu': a single {what} needs more than the storage binding limit; "
-                "lower topk or use a device with larger bindings [R18]")
+                f"backend 'wgpu': {what} {a} alone needs {', '.join(over)} in one storage binding of "
+                f"{binding} bytes; lower topk, or use a device (or max_binding_size) with larger "
+                "bindings [R18]")
         out.append((a, b))
         a = b
     return out
@@ -416,7 +420,8 @@ def plan_forward(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) -
     ones = np.ones(n_rows, dtype=np.int64)
     ranges = _batches(
         [per_row_prows, per_row_plan, per_row_prows + geom.G + 1, ones],
-        [cap_prows, cap_words, cap_words, cap_qrows], "(query, KV head) row")
+        [cap_prows, cap_words, cap_words, cap_qrows],
+        ["partial rows", "plan words", "merge words", "query rows"], "(query, KV head) row", binding)
     plans = []
     for r0, r1 in ranges:
         eids = np.sort(idx.row_edges[row_ptr[r0]:row_ptr[r1]].astype(np.int64))
@@ -443,7 +448,8 @@ def plan_partials(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) 
     cap_prows, cap_words, cap_qrows = _caps(geom, binding)
     g1 = np.full(E, geom.G, dtype=np.int64)
     ranges = _batches([eprows, eplan, eprows + g1 + 1, np.ones(E, dtype=np.int64)],
-                      [cap_prows, cap_words, cap_words, min(cap_qrows, cap_prows // geom.G)], "edge")
+                      [cap_prows, cap_words, cap_words, min(cap_qrows, cap_prows // geom.G)],
+                      ["partial rows", "plan words", "merge words", "query rows"], "edge", binding)
     plans = []
     for e0, e1 in ranges:
         eids = eall[e0:e1]
