@@ -563,3 +563,18 @@ def test_R25_user_guide_example_runs_and_prints_what_it_shows():
     shown = [re.split(r"\s{3,}", ln[1:].strip())[0] for ln in code.splitlines() if re.match(r"#\s+\[", ln)]
     printed = [ln.strip() for ln in buf.getvalue().splitlines()]
     assert printed == shown
+
+
+def test_R18_device_index_keys_need_their_own_backend():
+    class FakeDevice(psa.DeviceArray):
+        def __init__(self, like, backend):
+            self.shape, self.dtype, self.backend = like.shape, like.dtype, backend
+
+    other = SpyBackend()
+    dev = FakeDevice(BASE["index_k_cache"], other)
+    args = (BASE["index_q"], dev, *score_args(BASE)[2:])
+    with pytest.raises(psa.UnsupportedError, match="device array"):
+        block_scores(*args, block_size=BASE["block_size"], backend="numpy")  # held by another backend
+    with pytest.raises(psa.UnsupportedError, match="spy.*does not accept device-resident arrays"):
+        block_scores(*args, block_size=BASE["block_size"])  # its owner, by capabilities, before any work
+    assert other.calls == 0

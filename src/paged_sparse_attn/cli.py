@@ -96,8 +96,10 @@ def backends_info() -> Dict[str, Any]:
     return {"default": getattr(default, "name", None), "backends": rows}
 
 
-def _bytes(v: Any) -> str:
-    if not isinstance(v, int) or v < 1024:
+def _limit(key: str, v: Any) -> str:
+    """A limit's value, in KiB/MiB/GiB when it is a size in bytes (counts are left alone)."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1024 or not any(
+            w in key.lower() for w in ("size", "bytes", "memory")):
         return str(v)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         v /= 1024
@@ -195,7 +197,7 @@ def build_app():  # -> typer.Typer
                 features = "\n".join(f"{f} {'✓' if f in feats else '✗'}" for f in shown)
             else:
                 features = "-"
-            limits = [f"{k}: {_bytes(v)}" for k, v in caps["limits"].items()]
+            limits = [f"{k}: {_limit(k, v)}" for k, v in caps["limits"].items()]
             limits += [f"{k}: {caps[k]}" for k in ("max_head_dim", "max_page_size", "max_block_size")
                        if caps[k] is not None]
             table.add_row(name, f"[green]available[/]: {row['reason']}", caps["device"],
@@ -249,22 +251,28 @@ def build_app():  # -> typer.Typer
         raise typer.Exit(int(rc or 0))
 
     # ------------------------------------------------------------------------------------- check
-    @app.command()
+    @app.command(context_settings={"allow_extra_args": True})
     @guarded
     def check(
+        ctx: typer.Context,
         backend: Annotated[str, typer.Option(
             "--backend", "-b", help="A registered backend name or module:factory.")],
         profile: Annotated[Optional[str], typer.Option(
-            help="Hypothesis profile of the property suite (default: the suite's own).")] = None,
+            help="Hypothesis profile of the suite: ci, dev or thorough (default: the suite's own).")] = None,
     ) -> None:
-        """Run the conformance property suite against a backend; exits with its code (0 = conforms)."""
+        """Run the conformance property suite against a backend; exits with its code (0 = conforms). Arguments after -- go to pytest."""  # noqa: E501
         be = registry.get_backend(backend)  # fail early, in one line, if it cannot run here
         mod = _import_optional("paged_sparse_attn.testing", "the conformance kit")
         run = getattr(mod, "run_conformance", None)
         if not callable(run):
             raise _CliError("the conformance kit has no run_conformance() (paged_sparse_attn.testing)")
         typer.echo(f"checking backend {backend!r} ({be.capabilities.device})", err=True)
-        rc = run(backend) if profile is None else run(backend, profile=profile)
+        kwargs: Dict[str, Any] = {}
+        if profile is not None:
+            kwargs["profile"] = profile
+        if ctx.args:
+            kwargs["extra_args"] = list(ctx.args)
+        rc = run(backend, **kwargs)
         raise typer.Exit(int(rc or 0))
 
     return app

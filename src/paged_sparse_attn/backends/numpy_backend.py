@@ -1,12 +1,13 @@
 """The numpy backend: the KV-outer algorithm (R13-R15), vectorised.
 
-Slot groups (all edges of one (KV head, block)) are bucketed by their edge count into powers of
-two; a bucket is processed in chunks with batched matmuls: the block's K/V is gathered once per
-slot group and multiplied against the queries of all its edges and all G heads of the group.
+Slot groups (all edges of one (KV head, block)) are sorted by their edge count and cut into
+chunks padded to the largest count of the chunk; a chunk is processed with batched matmuls: the
+block's K/V is gathered once per slot group and multiplied against the queries of all its edges
+and all G heads of the group.
 
 Scores and partials accumulate in float32 (BLAS sgemm); float16/bfloat16 caches are converted to
 float32 after the gather (exact). Masked positions are removed with ``where`` before the softmax;
-V rows that are not attended are zeroed before ``P @ V``, and if a slot's attended V holds NaN/Inf
+V rows that no edge of the slot may attend are zeroed before ``P @ V``, and if a slot's attended V holds NaN/Inf
 the chunk takes an exact masked path so that only rows attending it see it (R10).
 """
 

@@ -9,13 +9,13 @@ import numpy as np
 
 from .._api import check_capabilities
 from .._index import build_index_arrays
-from .._types import DeviceArray, Problem
+from .._types import DeviceArray
 from .._validation import check_float_array, validate_forward
 from ..backends.base import Backend
 from ..errors import DeviceError, UnsupportedError
 from ..registry import resolve_backend
 from ._types import IndexProblem, TopkProblem
-from ._validation import check_topk, validate_block_scores, validate_select_topk, local_blocks
+from ._validation import check_topk, local_blocks, validate_block_scores, validate_select_topk
 
 __all__ = ["block_scores", "select_topk", "sparse_attention"]
 
