@@ -18,6 +18,7 @@ from .errors import (
 )
 from .reference import dense_reference, lse_from_base2, lse_to_base2, merge_states
 from .registry import get_backend, list_backends, register_backend, unregister_backend, use_backend
+from .index_branch import block_scores, select_topk, sparse_attention
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,9 @@ __all__ = [
     "combine_partials",
     "build_kvouter_index",
     "dense_reference",
+    "block_scores",
+    "select_topk",
+    "sparse_attention",
     "merge_states",
     "lse_to_base2",
     "lse_from_base2",

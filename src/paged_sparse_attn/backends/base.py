@@ -65,7 +65,7 @@ class Backend(ABC):
         """Full forward: partials then combine. Returns ``(out, lse)``, float32."""
         return self.combine_partials(self.forward_partials(problem, index), index)
 
-    # Index branch (R21-R24). Backends that implement it override these.
+    # Index branch (R21-R25). Backends that implement it override these.
     def block_scores(self, problem) -> np.ndarray:  # pragma: no cover - overridden
         raise UnsupportedError(f"backend {self.name!r} does not implement block_scores [R18]")
 

@@ -1,0 +1,386 @@
+"""The property suite: every rule of the contract, on every selected backend.
+
+Run it on the built-in backends with ``pytest`` from the repository (``tests/test_properties.py``
+re-exports these tests) or, for any backend, with::
+
+    pytest --pyargs paged_sparse_attn.testing --backend NAME_OR_MODULE:FACTORY
+
+Each test is named after the rule it checks. Problems come from
+:mod:`paged_sparse_attn.testing.strategies` within the backend's declared capabilities; expected
+values come from :func:`paged_sparse_attn.dense_reference` or from the independent formulas of
+:mod:`paged_sparse_attn.testing.oracle`; tolerances from the dtype (R20).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import pytest
+
+try:
+    from hypothesis import given
+    from hypothesis import strategies as st
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("the conformance suite needs hypothesis: pip install 'paged_sparse_attn[test]'") from exc
+
+import paged_sparse_attn as psa
+from paged_sparse_attn._validation import FLOAT_DTYPES
+from paged_sparse_attn.testing import oracle
+from paged_sparse_attn.testing import strategies as pst
+from paged_sparse_attn.testing.assertions import (
+    Tolerance,
+    assert_attention_close,
+    assert_empty_rows_exact,
+    assert_partials_close,
+    tolerance,
+)
+from paged_sparse_attn.testing.problem import AttentionProblem
+
+SEEDS = st.integers(0, 2**32 - 1)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def _problem(data, backend, **kwargs) -> AttentionProblem:
+    return data.draw(pst.problems(caps=backend.capabilities, **kwargs), label="problem")
+
+
+def _twice(tol: Tolerance) -> Tolerance:
+    """Two independently rounded results of one quantity differ by up to twice the tolerance."""
+    return Tolerance(2 * tol.out, 2 * tol.lse)
+
+
+@contextlib.contextmanager
+def _no_backend_work(backend):
+    """Fail if the backend is asked to compute anything inside the block (R17: reject first)."""
+    def trap(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"backend.{name}() ran although the input is invalid: validation "
+                                 "must reject it before any backend or device work (R17)")
+        return call
+
+    patched = []
+    for name in ("forward", "forward_partials", "combine_partials"):
+        try:
+            setattr(backend, name, trap(name))
+            patched.append(name)
+        except (AttributeError, TypeError):  # e.g. __slots__: cannot spy, still check the error
+            pass
+    try:
+        yield
+    finally:
+        for name in patched:
+            delattr(backend, name)
+
+
+def _split_selection(sel: np.ndarray, parts: int, seed: int) -> list[np.ndarray]:
+    """Disjoint selections whose union is ``sel``: each kept id goes to one random part."""
+    owner = np.random.default_rng(seed).integers(0, parts, size=sel.shape)
+    return [np.where((owner == j) & (sel >= 0), sel, -1).astype(np.int32) for j in range(parts)]
+
+
+def _rows_per_q_head(rows_kv: np.ndarray, G: int) -> np.ndarray:
+    """[Tq, Hkv] -> [Tq, Hq]: query head hq reads KV head hq // G (R1)."""
+    return np.repeat(rows_kv, G, axis=1)
+
+
+# --- R9-R11, R20: agreement with the reference -----------------------------------------------
+
+@given(data=st.data())
+def test_R11_forward_matches_dense_reference(backend, data):
+    p = _problem(data, backend)
+    out, lse = p.forward(backend)
+    assert out.dtype == np.float32 and lse.dtype == np.float32, f"R11: out {out.dtype}, lse {lse.dtype}"
+    assert out.shape == p.q.shape and lse.shape == p.q.shape[:2], f"R11: out {out.shape}, lse {lse.shape}"
+    ref, ref_lse = p.reference()
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+@given(data=st.data())
+def test_R20_agrees_with_numpy_backend(backend, data):
+    p = _problem(data, backend)
+    out, lse = p.forward(backend)
+    want, want_lse = p.forward("numpy")
+    assert_attention_close(out, want, dtype=p.dtypes, lse=lse, ref_lse=want_lse,
+                           tol=_twice(tolerance(p.dtypes)), err_msg=f"[{backend.name} vs numpy]")
+
+
+@given(data=st.data())
+def test_R19_same_inputs_same_bits(backend, data):
+    if not backend.capabilities.deterministic:
+        pytest.skip(f"backend {backend.name!r} declares itself non-deterministic")
+    p = _problem(data, backend)
+    (o1, l1), (o2, l2) = p.forward(backend), p.forward(backend)
+    assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes(), "R19: two runs gave different bits"
+
+
+def _plain_attention(p: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
+    """Textbook attention of every query over the first L_b tokens of its sequence, causal
+    right-aligned (query i of T_b sees positions <= L_b - T_b + i), in float64."""
+    out = np.zeros(p.q.shape)
+    lse = np.full(p.q.shape[:2], -np.inf)
+    S, G = p.page_size, p.group_size
+    for b in range(p.num_seqs):
+        lo, hi = int(p.cu_seqlens_q[b]), int(p.cu_seqlens_q[b + 1])
+        L, T = int(p.kv_lens[b]), hi - lo
+        pos = np.arange(L)
+        pages = p.block_tables[b, pos // S]
+        K = p.k_cache[pages, :, pos % S].astype(np.float64)  # [L, Hkv, D]
+        V = p.v_cache[pages, :, pos % S].astype(np.float64)
+        for i in range(T):
+            seen = pos <= L - T + i if p.causal else pos >= 0
+            for hq in range(p.num_q_heads):
+                s = p.scale * (K[seen, hq // G] @ p.q[lo + i, hq].astype(np.float64))
+                if s.size:
+                    w = np.exp(s - s.max())
+                    out[lo + i, hq] = w @ V[seen, hq // G] / w.sum()
+                    lse[lo + i, hq] = s.max() + math.log(w.sum())
+    return out, lse
+
+
+@given(data=st.data())
+def test_R9_selecting_every_block_is_dense_causal_attention(backend, data):
+    p = _problem(data, backend, holes=False, all_blocks=True)
+    out, lse = p.forward(backend)
+    ref, ref_lse = _plain_attention(p)
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+
+
+# --- invariances ------------------------------------------------------------------------------
+
+@given(data=st.data())
+def test_R2_permuting_physical_pages_changes_nothing(backend, data):
+    p = _problem(data, backend)
+    perm = np.array(data.draw(st.permutations(range(p.num_pages)), label="page permutation"))
+    k, v = np.empty_like(p.k_cache), np.empty_like(p.v_cache)
+    k[perm], v[perm] = p.k_cache, p.v_cache  # physical page j moves to perm[j]
+    bt = np.where(p.block_tables >= 0, perm[np.maximum(p.block_tables, 0)], -1).astype(np.int32)
+    out, lse = p.forward(backend, k_cache=k, v_cache=v, block_tables=bt)
+    ref, ref_lse = p.reference()
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+
+
+@given(data=st.data())
+def test_R6_slot_order_and_padding_change_nothing(backend, data):
+    p = _problem(data, backend)
+    pad = data.draw(st.integers(0, 3), label="extra -1 slots")
+    rng = np.random.default_rng(data.draw(SEEDS, label="slot seed"))
+    Tq, Hkv, K = p.selected.shape
+    sel = np.full((Tq, Hkv, K + pad), -1, dtype=np.int32)
+    for t in range(Tq):
+        for h in range(Hkv):
+            sel[t, h, rng.permutation(K + pad)[:K]] = p.selected[t, h]
+    out, lse = p.forward(backend, selected=sel)
+    ref, ref_lse = p.reference()
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+
+
+@given(data=st.data())
+def test_R3_one_call_per_sequence_changes_nothing(backend, data):
+    p = _problem(data, backend)
+    outs, lses = [], []
+    for b in range(p.num_seqs):
+        lo, hi = int(p.cu_seqlens_q[b]), int(p.cu_seqlens_q[b + 1])
+        o, l = p.forward(backend, q=p.q[lo:hi], selected=p.selected[lo:hi], block_tables=p.block_tables[b:b + 1],
+                         cu_seqlens_q=np.array([0, hi - lo], dtype=np.int32),
+                         used_kv_lens=None if p.used_kv_lens is None else p.used_kv_lens[b:b + 1])
+        outs.append(o)
+        lses.append(l)
+    ref, ref_lse = p.reference()
+    assert_attention_close(np.concatenate(outs), ref, dtype=p.dtypes, lse=np.concatenate(lses), ref_lse=ref_lse,
+                           err_msg=f"[{backend.name}]")
+
+
+@given(data=st.data())
+def test_R8_scaling_q_equals_scaling_softmax_scale(backend, data):
+    p = _problem(data, backend)
+    c = data.draw(st.sampled_from([2.0, 0.5, -1.0, 4.0, 0.25, 0.0, 3.0]), label="c")
+    q = (p.q.astype(np.float64) * c).astype(p.q.dtype)
+    out, lse = p.forward(backend, q=q)  # softmax_scale unchanged
+    ref, ref_lse = p.reference(softmax_scale=p.scale * c)
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}] c={c}")
+
+
+# --- R10: never-read memory --------------------------------------------------------------------
+
+@given(data=st.data())
+def test_R10_unattended_memory_never_reaches_the_output(backend, data):
+    """NaN/Inf in every cell no query attends (unmapped and spare pages, positions >= L_b,
+    unselected blocks, causal future, tail pages) changes nothing; NaN/Inf in a cell some queries
+    attend reaches only those queries."""
+    p = _problem(data, backend)
+    ref, ref_lse = p.reference()
+    mask = oracle.attended_mask(p)  # [Tq, Hkv, npos]
+    read = oracle.read_cells(p, mask)  # [P, Hkv, S]
+    rng = np.random.default_rng(data.draw(SEEDS, label="poison seed"))
+    frac = data.draw(st.sampled_from([0.0, 0.2, 0.6]), label="fraction of attended cells poisoned")
+    hit = read & (rng.random(read.shape) < frac)
+    bad = ~read | hit
+    poisoned = p.copy()
+    for cache in (poisoned.k_cache, poisoned.v_cache):
+        cache[bad] = np.array([np.nan, np.inf, -np.inf])[rng.integers(0, 3, size=(int(bad.sum()), p.head_dim))]
+    # rows (t, h) that attend a poisoned cell may be anything; all others must be untouched
+    t, h, pos = np.nonzero(mask)
+    touched = np.zeros(mask.shape[:2], dtype=bool)
+    S = p.page_size
+    touched[t, h] = hit[p.block_tables[p.seq_of_query[t], pos // S], h, pos % S]
+    np.logical_or.at(touched, (t, h), hit[p.block_tables[p.seq_of_query[t], pos // S], h, pos % S])
+    clean = ~_rows_per_q_head(touched, p.group_size)
+    out, lse = poisoned.forward(backend)
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, rows=clean,
+                           err_msg=f"[{backend.name}] {int(bad.sum())} poisoned cells:")
+
+
+# --- R11, R12: numerics -------------------------------------------------------------------------
+
+@given(data=st.data())
+def test_R12_extreme_logits_stay_exact(backend, data):
+    """Integer data make every float32 score exact; logits around +-2^23 (offset regime) or far
+    below any finite sentinel (scale up to 2^100) must give the exact softmax."""
+    p = _problem(data, backend, values="integers", softmax_scale=st.just(1.0))
+    regime = data.draw(st.sampled_from(["offset", "huge scale"]), label="regime")
+    q, k = p.q.astype(np.float64), p.k_cache.astype(np.float64)
+    rng = np.random.default_rng(data.draw(SEEDS, label="sign seed"))
+    sign = data.draw(st.sampled_from(["-", "+", "mixed"]), label="sign")
+    signs = {"-": -1.0, "+": 1.0}.get(sign) or rng.choice([-1.0, 1.0], size=q.shape[:2])
+    if regime == "offset":
+        # score = q0 * 1024 + (small integer terms): every position of a row shares the offset
+        e = data.draw(st.sampled_from([10, 16, 20, 23]), label="log2 |offset|")
+        k[..., 0] = 1024.0
+        q[..., 0] = signs * 2.0 ** (e - 10)
+        scale = 1.0
+    else:
+        e = data.draw(st.sampled_from([20, 60, 100]), label="log2 |scale|")
+        scale = float(2.0 ** e) * (-1.0 if sign == "-" else 1.0)
+    p = p.replace(q=q.astype(p.q.dtype), k_cache=k.astype(p.k_cache.dtype), softmax_scale=scale,
+                  values=f"{p.values}, {regime} 2^{e}, sign {sign}")
+    out, lse = p.forward(backend)
+    ref, ref_lse = p.reference()
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}] {regime}:")
+
+
+@given(data=st.data())
+def test_R11_empty_rows_give_zero_and_minus_inf(backend, data):
+    p = _problem(data, backend)
+    empty = _rows_per_q_head(~oracle.attended_mask(p).any(axis=-1), p.group_size)
+    out, lse = p.forward(backend)
+    assert_empty_rows_exact(out, lse, np.where(empty, -np.inf, 0.0), err_msg=f"[{backend.name}]")
+    assert np.isfinite(lse[~empty]).all(), f"[{backend.name}] R11: a row that attends something has lse = -inf"
+    assert np.isfinite(out).all(), f"[{backend.name}] R11: out holds NaN/Inf"
+
+
+# --- R14-R16: the algebra of partials and states ------------------------------------------------
+
+@given(data=st.data())
+def test_R14_partials_match_the_per_edge_formula(backend, data):
+    p = _problem(data, backend)
+    index = p.build_index()
+    part = psa.forward_partials(p.q, p.k_cache, p.v_cache, index, softmax_scale=p.softmax_scale, backend=backend)
+    E, G, D = index.num_edges, p.group_size, p.head_dim
+    o, m, l = (np.asarray(x) for x in (part.o, part.m, part.l))
+    assert o.shape == (E, G, D) and m.shape == (E, G) and l.shape == (E, G), (
+        f"R14: o {o.shape}, m {m.shape}, l {l.shape}; want [E={E}, G={G}, D={D}]")
+    assert o.dtype == m.dtype == l.dtype == np.float32, f"R14: partials must be float32, got {o.dtype}"
+    ro, rm, rl = oracle.edge_partials(p, index)
+    assert_partials_close(o, m, l, ro, rm, rl, dtype=p.dtypes, err_msg=f"[{backend.name}]")
+
+
+@given(data=st.data())
+def test_R15_combine_of_partials_equals_forward(backend, data):
+    p = _problem(data, backend)
+    index = p.build_index()
+    part = psa.forward_partials(p.q, p.k_cache, p.v_cache, index, softmax_scale=p.softmax_scale, backend=backend)
+    out, lse = psa.combine_partials(part, index)
+    ref, ref_lse = p.reference()
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}] combine:")
+    fwd, fwd_lse = p.forward(backend)
+    assert_attention_close(out, fwd, dtype=p.dtypes, lse=lse, ref_lse=fwd_lse, tol=_twice(tolerance(p.dtypes)),
+                           err_msg=f"[{backend.name}] combine vs forward:")
+
+
+def _states(p: AttentionProblem, backend, data, parts: int):
+    sels = _split_selection(p.selected, parts, data.draw(SEEDS, label="split seed"))
+    return [p.forward(backend, selected=s) for s in sels]
+
+
+@given(data=st.data())
+def test_R16_merge_states_is_commutative(backend, data):
+    p = _problem(data, backend)
+    (oa, la), (ob, lb) = _states(p, backend, data, 2)
+    o1, l1 = psa.merge_states(oa, la, ob, lb)
+    o2, l2 = psa.merge_states(ob, lb, oa, la)
+    assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes(), "R16: merge(a, b) != merge(b, a)"
+
+
+@given(data=st.data())
+def test_R16_merge_states_is_associative(backend, data):
+    p = _problem(data, backend)
+    (oa, la), (ob, lb), (oc, lc) = _states(p, backend, data, 3)
+    left = psa.merge_states(*psa.merge_states(oa, la, ob, lb), oc, lc)
+    right = psa.merge_states(oa, la, *psa.merge_states(ob, lb, oc, lc))
+    assert_attention_close(left[0], right[0], dtype=p.dtypes, lse=left[1], ref_lse=right[1],
+                           tol=_twice(tolerance(p.dtypes)), err_msg="R16 (a.b).c vs a.(b.c):")
+
+
+@given(data=st.data())
+def test_R16_merge_states_identity_is_zero_minus_inf(backend, data):
+    p = _problem(data, backend)
+    o, l = p.forward(backend)
+    zero, ninf = np.zeros_like(o), np.full_like(l, -np.inf)
+    for got in (psa.merge_states(o, l, zero, ninf), psa.merge_states(zero, ninf, o, l)):
+        np.testing.assert_array_equal(got[0], o, err_msg="R16: merging with (0, -inf) changed o")
+        np.testing.assert_array_equal(got[1], l, err_msg="R16: merging with (0, -inf) changed lse")
+
+
+@given(data=st.data())
+def test_R16_split_kv_merge_equals_whole(backend, data):
+    p = _problem(data, backend)
+    (oa, la), (ob, lb) = _states(p, backend, data, 2)
+    out, lse = psa.merge_states(oa, la, ob, lb)
+    ref, ref_lse = p.reference()
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, tol=_twice(tolerance(p.dtypes)),
+                           err_msg=f"[{backend.name}] split-KV:")
+
+
+# --- R17, R18: errors ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule", pst.RULES)
+@given(data=st.data())
+def test_R17_single_violation_raises_spec_error_naming_the_rule(backend, rule, data):
+    bad = data.draw(pst.invalid_problems(caps=backend.capabilities, rules=[rule]), label="invalid call")
+    with _no_backend_work(backend), pytest.raises(psa.SpecError) as info:
+        psa.forward(**bad.kwargs, backend=backend)
+    err = info.value
+    assert err.rule == rule, f"{bad.what}: expected a SpecError for {rule}, got {err.rule}: {err}"
+    assert str(err).startswith("forward(): ") and str(err).endswith(f"[{rule}]"), f"message format: {err}"
+
+
+def _minimal(dtype: str, D: int, S: int, BS: int) -> dict:
+    dt = {d.name: d for d in FLOAT_DTYPES}[dtype]
+    return dict(q=np.zeros((1, 1, D), dt), k_cache=np.zeros((1, 1, S, D), dt), v_cache=np.zeros((1, 1, S, D), dt),
+                block_tables=np.zeros((1, BS // S), np.int32), selected=np.zeros((1, 1, 1), np.int32),
+                cu_seqlens_q=np.array([0, 1], np.int32), block_size=BS)
+
+
+@pytest.mark.parametrize("limit", ["dtype", "max_head_dim", "max_page_size", "max_block_size"])
+def test_R18_problem_beyond_capabilities_raises_unsupported(backend, limit):
+    caps = backend.capabilities
+    dtype = caps.dtypes[0] if caps.dtypes else "float32"
+    if limit == "dtype":
+        missing = [d.name for d in FLOAT_DTYPES if d.name not in caps.dtypes]
+        if not missing:
+            pytest.skip(f"backend {backend.name!r} runs every R7 dtype")
+        kwargs = _minimal(missing[0], 4, 1, 1)
+    else:
+        cap = getattr(caps, limit)
+        if cap is None:
+            pytest.skip(f"backend {backend.name!r} declares no {limit}")
+        kwargs = {"max_head_dim": lambda: _minimal(dtype, cap + 1, 1, 1),
+                  "max_page_size": lambda: _minimal(dtype, 4, cap + 1, cap + 1),
+                  "max_block_size": lambda: _minimal(dtype, 4, 1, cap + 1)}[limit]()
+    with _no_backend_work(backend), pytest.raises(psa.UnsupportedError) as info:
+        psa.forward(**kwargs, backend=backend)
+    assert backend.name in str(info.value), f"R18: the error must name the backend: {info.value}"
