@@ -191,7 +191,7 @@ def test_demo_exits_1_when_a_backend_fails(app, isolated_registry):
     assert "device lost" in res.output
 
 
-def test_demo_module_factory_backend(app):
+def test_demo_module_factory_backend(app, isolated_registry):
     res = invoke(app, ["demo", "-b", "paged_sparse_attn.backends.numpy_backend:NumpyBackend", "--json", *SMALL])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["results"][0]["status"] == "ok"
@@ -245,7 +245,8 @@ def test_main_without_typer_is_one_line(monkeypatch, capsys):
 
 def test_import_needs_no_cli_extra():
     code = ("import sys, paged_sparse_attn, paged_sparse_attn.cli, paged_sparse_attn.demo; "
-            "assert not {'typer', 'rich', 'click', 'wgpu'} & set(sys.modules), sorted(sys.modules)")
+            "assert not {'typer', 'rich', 'click', 'wgpu', 'pytest', 'hypothesis'} & set(sys.modules), "
+            "sorted(sys.modules)")
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -277,8 +278,12 @@ def test_bench_missing_is_one_line(app, monkeypatch):
     assert res.stderr.strip().count("\n") == 0 and "paged_sparse_attn.bench" in res.stderr
 
 
-@pytest.mark.parametrize("extra, want", [([], ((), {})), (["--profile", "thorough"], ((), {"profile": "thorough"}))])
-def test_check_runs_conformance_and_exits_with_its_code(app, monkeypatch, extra, want):
+@pytest.mark.parametrize("extra, want", [
+    ([], {}),
+    (["--profile", "thorough"], {"profile": "thorough"}),
+    (["--profile", "dev", "--", "-x", "-k", "R16"], {"profile": "dev", "extra_args": ["-x", "-k", "R16"]}),
+])
+def test_check_runs_conformance_and_exits_with_its_code(app, monkeypatch, isolated_registry, extra, want):
     calls = []
 
     def run_conformance(spec, **kw):
@@ -289,10 +294,10 @@ def test_check_runs_conformance_and_exits_with_its_code(app, monkeypatch, extra,
     spec = "paged_sparse_attn.backends.numpy_backend:NumpyBackend"
     res = invoke(app, ["check", "--backend", spec, *extra])
     assert res.exit_code == 1, res.output
-    assert calls == [(spec, want[1])]
+    assert calls == [(spec, want)]
 
 
-def test_check_unavailable_backend_is_refused_before_the_suite_R18(app, monkeypatch):
+def test_check_unavailable_backend_is_refused_before_the_suite_R18(app, monkeypatch, isolated_registry):
     calls = []
     _fake_module(monkeypatch, "paged_sparse_attn.testing", run_conformance=lambda spec, **kw: calls.append(spec))
     res = invoke(app, ["check", "--backend", "no_such_module:Backend"])
@@ -389,9 +394,11 @@ def test_sparsity_counts_match_attended_sets_R9():
     assert 0 < p.density < 1
 
 
-def test_tolerance_is_derived_from_dtype_R20():
-    assert demo.tolerance(np.float32) == 1e-5
-    assert demo.tolerance(np.float16) == 4 * float(np.finfo(np.float16).eps)
+def test_tolerance_is_the_kits_dtype_derived_one_R20():
+    from paged_sparse_attn.testing import tolerance
+
+    assert demo.tolerance(np.float32) == tolerance("float32").out
+    assert demo.tolerance(np.float16) == tolerance("float16").out > demo.tolerance(np.float32)
 
 
 def test_run_demo_reports_unsupported_discovered_backend(isolated_registry):

@@ -6,16 +6,12 @@ What reaches the backend is observed with a recording backend; "no copy" is asse
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import paged_sparse_attn as psa
 from paged_sparse_attn.backends.numpy_backend import NumpyBackend
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
 NAMES = ("q", "k_cache", "v_cache", "block_tables", "selected", "cu_seqlens_q", "used_kv_lens")
 
 
@@ -200,12 +196,3 @@ def test_torch_cpu_tensors_are_read_in_place():
     assert_matches_reference(arrays, kw, out, lse)
     with pytest.raises(psa.SpecError, match=r"\[R7\]"):
         psa.forward(**{**tensors, "q": tensors["q"].double()}, **kw)
-
-
-@pytest.mark.skipif(not (DOCS / "interop.md").exists(), reason="docs not in this tree")
-def test_interop_page_examples_run():
-    blocks = re.findall(r"^```python\n(.*?)^```", (DOCS / "interop.md").read_text(), flags=re.S | re.M)
-    assert blocks
-    ns: dict = {"__name__": "interop_page"}
-    for code in blocks:
-        exec(compile(code, "interop.md", "exec"), ns)

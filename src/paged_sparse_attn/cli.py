@@ -193,7 +193,7 @@ def build_app():  # -> typer.Typer
                 continue
             feats = set(caps["features"])
             if feats or caps["limits"]:
-                shown = [f for f in KEY_FEATURES] + sorted(feats - set(KEY_FEATURES))
+                shown = list(KEY_FEATURES) + sorted(feats - set(KEY_FEATURES))
                 features = "\n".join(f"{f} {'✓' if f in feats else '✗'}" for f in shown)
             else:
                 features = "-"
@@ -205,7 +205,8 @@ def build_app():  # -> typer.Typer
         console.print(table)
 
     # -------------------------------------------------------------------------------------- demo
-    @app.command()
+    @app.command(help="Run a realistic paged, causal, block-sparse problem on the backends, checked "
+                      "against the float64 dense reference (exit 1 if any disagrees).")
     @guarded
     def demo(
         seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same problem.")] = 0,
@@ -225,7 +226,7 @@ def build_app():  # -> typer.Typer
         repeat: Annotated[int, typer.Option(help="Timed runs per backend after the first.")] = 3,
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     ) -> None:
-        """Run a realistic paged, causal, block-sparse problem on the backends, checked against the float64 dense reference (exit 1 if any disagrees)."""  # noqa: E501
+        """The end-to-end demo (see paged_sparse_attn.demo)."""
         from .demo import DemoSizes, run_demo, tolerance
 
         sizes = DemoSizes(seqs=seqs, max_len=max_len, queries=queries, q_heads=heads, kv_heads=kv_heads,
@@ -251,7 +252,9 @@ def build_app():  # -> typer.Typer
         raise typer.Exit(int(rc or 0))
 
     # ------------------------------------------------------------------------------------- check
-    @app.command(context_settings={"allow_extra_args": True})
+    @app.command(context_settings={"allow_extra_args": True},
+                 help="Run the conformance property suite against a backend; exits with its code "
+                      "(0 = conforms). Arguments after -- go to pytest.")
     @guarded
     def check(
         ctx: typer.Context,
@@ -260,7 +263,7 @@ def build_app():  # -> typer.Typer
         profile: Annotated[Optional[str], typer.Option(
             help="Hypothesis profile of the suite: ci, dev or thorough (default: the suite's own).")] = None,
     ) -> None:
-        """Run the conformance property suite against a backend; exits with its code (0 = conforms). Arguments after -- go to pytest."""  # noqa: E501
+        """The conformance kit (paged_sparse_attn.testing.run_conformance) on one backend."""
         be = registry.get_backend(backend)  # fail early, in one line, if it cannot run here
         mod = _import_optional("paged_sparse_attn.testing", "the conformance kit")
         run = getattr(mod, "run_conformance", None)
@@ -291,7 +294,7 @@ def _print_demo(console: Any, Table: Any, report: Any, tol: float) -> None:
     console.print(f"sparsity  {report.attended} attended of {report.visible} causal-visible tokens "
                   f"({100 * report.density:.1f}%)")
     console.print(f"reference dense_reference (float64) in {report.reference_s:.2f} s; "
-                  f"tolerance {tol:g} x max(1, |ref|) ({s.dtype})")
+                  f"tolerance {tol:.3g} x max(1, |ref|) ({s.dtype})")
     table = Table(title_justify="left")
     for col in ("backend", "max |Δout|", "max |Δlse|", "time (ms)", "first (ms)", "attended/visible", "result"):
         table.add_column(col, justify="left" if col in ("backend", "result") else "right", overflow="fold")

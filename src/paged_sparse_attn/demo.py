@@ -23,8 +23,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import _api, reference, registry
+from ._index import query_positions
 from .backends.base import Backend
 from .errors import PagedSparseAttnError, SpecError, UnsupportedError
+from .testing.assertions import tolerance as r20_tolerance
 
 __all__ = [
     "DemoSizes",
@@ -182,11 +184,11 @@ class DemoReport:
 def tolerance(dtype: Any) -> float:
     """Relative tolerance against the float64 reference for inputs of ``dtype`` (R20).
 
-    float32 inputs: 1e-5 (float32 accumulation). float16/bfloat16: four units of the dtype's
-    epsilon, the size of error a rounding of K and V to that dtype produces. Errors are compared
-    with ``tolerance * max(1, max |reference|)``.
+    The conformance kit's tolerance (:func:`paged_sparse_attn.testing.tolerance`): a multiple of
+    the unit roundoff of the least precise dtype involved, never below float32's. Errors are
+    compared with ``tolerance * max(1, max |reference|)``.
     """
-    return max(1e-5, 4.0 * float(np.finfo(np.dtype(dtype)).eps))
+    return r20_tolerance(dtype).out
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,8 +341,6 @@ def _count_tokens(selected, block_tables, cu_seqlens_q, used_kv_lens, *, block_s
     np.cumsum(mapped, axis=1, out=cum[:, 1:])
     b, start = index.edge_seq.astype(np.int64), index.edge_block.astype(np.int64) * block_size
     attended = int((cum[b, start + index.edge_len] - cum[b, start]).sum())
-    from ._index import query_positions
-
     seq, hi = query_positions(index.cu_seqlens_q, index.used_kv_lens, True)
     visible = int(cum[seq, np.clip(hi, 0, n)].sum()) * selected.shape[1]
     return attended, visible
@@ -423,6 +423,7 @@ def run_demo(sizes: DemoSizes = DemoSizes(), *, seed: int = 0, backends: Sequenc
     BackendUnavailableError
         A backend asked for by name is unknown or cannot run here.
     """
+    sizes.check()  # before any backend starts a device
     targets, skipped = _targets(backends)
     prob = make_problem(sizes, seed)
     kw = prob.forward_kwargs()

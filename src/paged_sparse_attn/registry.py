@@ -214,21 +214,28 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     if not isinstance(name, str):
         raise BackendUnavailableError(f"backend must be a name, a Backend or None, got {type(name).__name__} [R18]")
     with _lock:
-        if name not in _names() and ":" in name:
-            register_backend(name, name)
+        adhoc = name not in _names() and ":" in name
+        if adhoc:  # "module:factory": registered only once it is known to work
+            _registered[name] = name
         if name in _instances:
             return _instances[name]
-        avail = _probe(name)
-        if not avail.ok:
-            raise BackendUnavailableError(f"backend {name!r} is unavailable: {avail.reason} [R18]")
         try:
-            return _instantiate(name)
+            avail = _probe(name)
+            if not avail.ok:
+                reason = avail.reason.removesuffix(" [R18]")
+                raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason} [R18]")
+            try:
+                return _instantiate(name)
+            except BackendUnavailableError:
+                raise
+            except Exception as exc:
+                raise BackendUnavailableError(
+                    f"backend {name!r} failed to start: {type(exc).__name__}: {exc} [R18]"
+                ) from exc
         except BackendUnavailableError:
+            if adhoc:
+                _registered.pop(name, None)
             raise
-        except Exception as exc:
-            raise BackendUnavailableError(
-                f"backend {name!r} failed to start: {type(exc).__name__}: {exc} [R18]"
-            ) from exc
 
 
 def resolve_backend(backend: str | Backend | None, *arrays: Any) -> Backend:

@@ -174,6 +174,9 @@ class AttentionProblem:
             f"    selected={arr(self.selected)})"
         )
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # hypothesis' failure report
+        printer.text(repr(self))
+
 
 @dataclass(frozen=True, eq=False)
 class InvalidCall:
@@ -188,11 +191,17 @@ class InvalidCall:
         The rule id the call violates, e.g. ``"R6"``; the SpecError must carry it.
     what : str
         The violation in words, e.g. ``"selected[2, 0, 1] = 4 >= msb=4"``.
+    base : AttentionProblem, optional
+        The valid problem the violation was made from.
     """
 
     kwargs: dict[str, Any]
     rule: str
     what: str
+    base: AttentionProblem | None = None
 
     def __repr__(self) -> str:
-        return f"InvalidCall(rule={self.rule!r}, what={self.what!r})"
+        return f"InvalidCall(rule={self.rule!r}, what={self.what!r}, base={self.base!r})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # hypothesis' failure report
+        printer.text(repr(self))

@@ -26,7 +26,11 @@ PROFILE_NAMES = tuple(_PROFILES)
 
 
 def register_profiles() -> None:
-    """Register ``ci``, ``dev`` and ``thorough`` (names someone already registered are left alone)."""
+    """Register (or refine) the profiles ``ci``, ``dev`` and ``thorough``.
+
+    Hypothesis ships a ``ci`` profile of its own (derandomized, no database, 100 examples); ours
+    keeps its settings and bounds the number of examples so the suite fits the CI budget.
+    """
     from hypothesis import HealthCheck, settings
 
     common: dict[str, Any] = dict(
@@ -36,11 +40,10 @@ def register_profiles() -> None:
     )
     for name, opts in _PROFILES.items():
         try:
-            settings.get_profile(name)
-            continue  # keep the project's own definition
+            parent = settings.get_profile(name)
         except Exception:
-            pass
-        settings.register_profile(name, **common, **opts)
+            parent = None
+        settings.register_profile(name, parent, **common, **opts)
 
 
 def default_profile() -> str:

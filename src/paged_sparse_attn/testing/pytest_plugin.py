@@ -44,9 +44,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    # our profiles must exist before hypothesis' own plugin loads --hypothesis-profile
-    if config.getoption("hypothesis_profile", None) in PROFILE_NAMES:
-        register_profiles()
+    # our profiles must exist before hypothesis' own plugin loads --hypothesis-profile; only in
+    # sessions that run the suite (other projects may have profiles of the same names)
+    if config.getoption("hypothesis_profile", None) in PROFILE_NAMES and _show_header(config):
+        try:
+            register_profiles()
+        except ImportError:
+            pass
     config.addinivalue_line(
         "markers", "psa_backends(exclude=()): leave the named backends out of this test's `backend` parameters")
     config.stash[_FAILED_REQUIRED] = {}

@@ -573,8 +573,11 @@ def _r7_bool_index(p, pick):
 
 
 def _r7_list(p, pick):
-    name = ["q", "k_cache", "block_tables", "selected"][pick(0, 3)]
-    return {name: np.asarray(getattr(p, name)).tolist()}, f"{name} is a Python list"
+    # nested lists are read with numpy's inferred dtype: Python floats become float64 (refused)
+    name = ["q", "k_cache"][pick(0, 1)]
+    if np.asarray(getattr(p, name)).size == 0:
+        return None  # an empty nested list loses its shape: that would be R1
+    return {name: np.asarray(getattr(p, name), dtype=np.float64).tolist()}, f"{name} is a list of Python floats"
 
 
 def _r7_int32_overflow(p, pick):
@@ -643,5 +646,5 @@ def invalid_problems(draw, *, caps: Capabilities | None = None, rules: Sequence[
             changes, what = got
             kwargs = base.kwargs()
             kwargs.update(changes)
-            return InvalidCall({n: kwargs[n] for n in FORWARD_ARGS}, rule, what)
+            return InvalidCall({n: kwargs[n] for n in FORWARD_ARGS}, rule, what, base)
     raise AssertionError("unreachable: some mutation applies to every problem")  # pragma: no cover

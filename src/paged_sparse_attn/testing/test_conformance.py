@@ -226,7 +226,6 @@ def test_R10_unattended_memory_never_reaches_the_output(backend, data):
     t, h, pos = np.nonzero(mask)
     touched = np.zeros(mask.shape[:2], dtype=bool)
     S = p.page_size
-    touched[t, h] = hit[p.block_tables[p.seq_of_query[t], pos // S], h, pos % S]
     np.logical_or.at(touched, (t, h), hit[p.block_tables[p.seq_of_query[t], pos // S], h, pos % S])
     clean = ~_rows_per_q_head(touched, p.group_size)
     out, lse = poisoned.forward(backend)
@@ -369,18 +368,19 @@ def _minimal(dtype: str, D: int, S: int, BS: int) -> dict:
 def test_R18_problem_beyond_capabilities_raises_unsupported(backend, limit):
     caps = backend.capabilities
     dtype = caps.dtypes[0] if caps.dtypes else "float32"
+    d = min(4, caps.max_head_dim or 4)
     if limit == "dtype":
         missing = [d.name for d in FLOAT_DTYPES if d.name not in caps.dtypes]
         if not missing:
             pytest.skip(f"backend {backend.name!r} runs every R7 dtype")
-        kwargs = _minimal(missing[0], 4, 1, 1)
+        kwargs = _minimal(missing[0], d, 1, 1)
     else:
         cap = getattr(caps, limit)
         if cap is None:
             pytest.skip(f"backend {backend.name!r} declares no {limit}")
         kwargs = {"max_head_dim": lambda: _minimal(dtype, cap + 1, 1, 1),
-                  "max_page_size": lambda: _minimal(dtype, 4, cap + 1, cap + 1),
-                  "max_block_size": lambda: _minimal(dtype, 4, 1, cap + 1)}[limit]()
+                  "max_page_size": lambda: _minimal(dtype, d, cap + 1, cap + 1),
+                  "max_block_size": lambda: _minimal(dtype, d, 1, cap + 1)}[limit]()
     with _no_backend_work(backend), pytest.raises(psa.UnsupportedError) as info:
         psa.forward(**kwargs, backend=backend)
     assert backend.name in str(info.value), f"R18: the error must name the backend: {info.value}"

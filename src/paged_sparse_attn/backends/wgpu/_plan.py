@@ -35,6 +35,7 @@ from ...errors import UnsupportedError
 
 __all__ = [
     "ACC",
+    "SACC",
     "INVALID",
     "ITEM_WORDS",
     "Geometry",
@@ -48,7 +49,8 @@ __all__ = [
     "grid_dispatches",
 ]
 
-ACC = 16  # accumulators per invocation; must match `const ACC` in psa_partials.wgsl
+ACC = 16  # P.V accumulators per invocation; must match `const ACC` in psa_partials.wgsl
+SACC = 8  # score accumulators per invocation; must match `const SACC`
 INVALID = 0xFFFFFFFF
 ITEM_WORDS = 8
 MAX_RMAX = 256
@@ -65,7 +67,12 @@ def _excl_cumsum(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Specialisation of the partials kernel (its override constants) and the item shape."""
+    """Specialisation of the partials kernel (its override constants) and the item shape.
+
+    RMAX rows per work item, TK keys per tile; the score phase gives each invocation RS rows, the
+    P.V phase a register tile of RT rows x DT dims (TD invocations along d, TR = WG // TD along
+    rows).
+    """
 
     D: int
     S: int
@@ -73,11 +80,19 @@ class Geometry:
     TK: int
     RMAX: int
     WG: int
+    RS: int
+    TD: int
+    DT: int
+    RT: int
     kv_itemsize: int
 
     @property
     def KS(self) -> int:
         return self.D + 1 - (self.D & 1)
+
+    @property
+    def TR(self) -> int:
+        return self.WG // self.TD
 
     @property
     def heads_per_item(self) -> int:
@@ -91,30 +106,42 @@ class Geometry:
     def edges_per_item(self) -> int:
         return max(1, self.RMAX // self.G) if self.G <= self.RMAX else 1
 
+    @property
+    def workgroup_bytes(self) -> int:
+        return workgroup_bytes(self.D, self.TK, self.RMAX, self.RS, self.kv_itemsize)
+
     def constants(self) -> dict[str, int]:
-        return {"D": self.D, "S": self.S, "TK": self.TK, "RMAX": self.RMAX, "WG": self.WG}
+        return {"D": self.D, "S": self.S, "TK": self.TK, "RMAX": self.RMAX, "WG": self.WG,
+                "RS": self.RS, "TD": self.TD, "DT": self.DT, "RT": self.RT}
 
 
-def workgroup_bytes(D: int, TK: int, RMAX: int, kv_itemsize: int) -> int:
+def workgroup_bytes(D: int, TK: int, RMAX: int, RS: int, kv_itemsize: int) -> int:
     """Workgroup memory of psa_partials.wgsl for these constants (each array rounded to 16 bytes)."""
     KS = D + 1 - (D & 1)
+    RPAD = -(-RMAX // RS) * RS
 
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    return (a(TK * KS * kv_itemsize) + a(TK * D * kv_itemsize) + a(RMAX * TK * 4) + a(TK * 4)
-            + 5 * a(RMAX * 4))
+    return (a(RPAD * D * 4) + a(TK * KS * kv_itemsize) + a(TK * D * kv_itemsize) + a(RPAD * TK * 4)
+            + a(TK * 4) + 4 * a(RMAX * 4))
 
 
 def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int, kv_itemsize: int,
                     wg_size: int, wg_storage: int) -> Geometry:
     """Largest tile that fits the device's workgroup memory (checked here: wgpu does not)."""
-    rcap = min(MAX_RMAX, (wg_size * ACC) // D)
-    if rcap < 1:
-        raise UnsupportedError(f"backend 'wgpu': head_dim {D} exceeds {wg_size * ACC} [R18]")
-    rmax = max(1, min(rcap, rows_needed))
+    TD = min(D, 32, wg_size)
+    DT = -(-D // TD)
+    TR = wg_size // TD
+    if DT > ACC:
+        raise UnsupportedError(f"backend 'wgpu': head_dim {D} exceeds {ACC * TD} [R18]")
+    rmax = max(1, min(MAX_RMAX, TR * (ACC // DT), rows_needed))
     tk = max(1, min(MAX_TK, block_size))
-    while workgroup_bytes(D, tk, rmax, kv_itemsize) > wg_storage:
+
+    def size(tk: int, rmax: int) -> int:
+        return workgroup_bytes(D, tk, rmax, min(4, rmax), kv_itemsize)
+
+    while size(tk, rmax) > wg_storage:
         if tk > 8:
             tk = (tk + 1) // 2
         elif rmax > 1:
@@ -123,9 +150,10 @@ def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int
             tk = (tk + 1) // 2
         else:
             raise UnsupportedError(
-                f"backend 'wgpu': head_dim {D} needs {workgroup_bytes(D, 1, 1, kv_itemsize)} bytes of "
-                f"workgroup memory, the device allows {wg_storage} [R18]")
-    return Geometry(D=D, S=S, G=G, TK=tk, RMAX=rmax, WG=wg_size, kv_itemsize=kv_itemsize)
+                f"backend 'wgpu': head_dim {D} needs {size(1, 1)} bytes of workgroup memory, the "
+                f"device allows {wg_storage} [R18]")
+    return Geometry(D=D, S=S, G=G, TK=tk, RMAX=rmax, WG=wg_size, RS=min(4, rmax), TD=TD, DT=DT,
+                    RT=-(-rmax // TR), kv_itemsize=kv_itemsize)
 
 
 # --- slabs and chunks --------------------------------------------------------------------------

@@ -1,0 +1,31 @@
+"""Project-wide pytest configuration.
+
+The options ``--backend NAME`` / ``--require-backend NAME``, the session-scoped ``backend``
+fixture and the report header come from the plugin ``paged_sparse_attn.testing.pytest_plugin``
+(installed as a ``pytest11`` entry point; loaded here when the package is not installed). The
+hypothesis profile is ``ci`` when the environment variable ``CI`` is true, else ``dev``;
+``--hypothesis-profile thorough`` runs many more examples.
+"""
+
+import sys
+
+from paged_sparse_attn.testing.profiles import load_default_profile, register_profiles
+
+_PLUGIN = "paged_sparse_attn.testing.pytest_plugin"
+
+# The entry point has already imported the plugin when the package is installed; registering it
+# a second time under another name would be an error.
+pytest_plugins = [] if _PLUGIN in sys.modules else [_PLUGIN]
+
+# At import, before hypothesis' plugin loads a profile named by --hypothesis-profile.
+try:
+    register_profiles()
+except ImportError:  # hypothesis (the ``test`` extra) is missing: the property tests will say so
+    pass
+
+
+def pytest_configure(config):
+    from paged_sparse_attn.testing import pytest_plugin
+
+    pytest_plugin.activate(config)
+    load_default_profile(config)
