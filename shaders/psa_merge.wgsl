@@ -1,8 +1,10 @@
 // psa_merge.wgsl — segmented log-sum-exp merge of partial rows (R14 pieces, R15 combine).
 //
-// Destination row j of a dispatch merges the partial rows elems[ptr[j] .. ptr[j+1]) in that
-// order:  M = max m_e over non-empty elements,  l = sum exp(m_e - M) l_e,
-//         o = sum exp(m_e - M) o_e,  and with `normalize` o / l.
+// Partial rows come in groups of GS consecutive rows (GS = G: the G query heads of one edge
+// piece). Destination j merges, for c = j % GS, the partial rows e * GS + c of the groups
+// e in elems[ptr[j / GS] .. ptr[j / GS + 1]), in that order:
+//   M = max m_e over non-empty elements,  l = sum exp(m_e - M) l_e,
+//   o = sum exp(m_e - M) o_e,  and with `normalize` o / l.
 // Used twice: pieces of one edge (one per cache chunk its block touches) -> the edge's
 // unnormalised partial (forward_partials), and the partials of all edges of a (query, KV head)
 // row -> normalised attention (the combine of forward). The host turns (M, l) into
@@ -15,7 +17,7 @@
 //   0 params  uniform              Params (below)
 //   1 src_o   storage, read        f32 [n_prows, D]
 //   2 src_ml  storage, read        vec2<f32> [n_prows]  (m, l); l == 0 means empty
-//   3 plan    storage, read        u32: ptr [n_dest + 1] then elems (partial row ids) at elem_off
+//   3 plan    storage, read        u32: ptr [n_dest / GS + 1] then elems (group ids) at elem_off
 //   4 dst_o   storage, read_write  f32 [n_dest, D]
 //   5 dst_ml  storage, read_write  vec2<f32> [n_dest]  (M, l); l == 0 means empty (then o = 0)
 //
@@ -33,7 +35,7 @@ struct Params {
     grid_x: u32,      // workgroups along x (2-D grid)
     elem_off: u32,    // offset of elems in plan
     normalize: u32,   // 1: write o / l (attention), 0: unnormalised o (a partial)
-    _pad0: u32,
+    group_size: u32,  // GS: partial rows per group, destinations per group list
     _pad1: u32,
     _pad2: u32,
 }
@@ -54,13 +56,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let d = x - j * D;
     let dest = params.dest_base + j;
-    let start = plan[dest];
-    let end = plan[dest + 1u];
+    let seg = dest / params.group_size;
+    let sub = dest - seg * params.group_size;
+    let start = plan[seg];
+    let end = plan[seg + 1u];
 
     var m_max = 0.0;
     var seen = false;
     for (var i = start; i < end; i++) {
-        let ml = src_ml[plan[params.elem_off + i]];
+        let ml = src_ml[plan[params.elem_off + i] * params.group_size + sub];
         if (ml.y > 0.0) {
             m_max = select(ml.x, max(m_max, ml.x), seen);
             seen = true;
@@ -70,7 +74,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var o = 0.0;
     if (seen) {
         for (var i = start; i < end; i++) {
-            let e = plan[params.elem_off + i];
+            let e = plan[params.elem_off + i] * params.group_size + sub;
             let ml = src_ml[e];
             if (ml.y > 0.0) {
                 let w = exp(ml.x - m_max);

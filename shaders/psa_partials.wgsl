@@ -48,12 +48,13 @@
 //
 // Override constants
 //   D     head dim                  S     page size
-//   TK    keys per tile             RMAX  rows per work item
+//   TK    keys per tile             RMAX  rows per work item (RMAX <= 4 * TR)
 //   WG    workgroup size            KS    row stride of the K tile (D padded to an odd number)
-//   RS    rows per invocation in the score phase (<= 8)
-//   TD    invocations along d in the P·V phase; TR = WG / TD invocations along rows
-//   DT    dims per invocation (d = td + b * TD), RT rows per invocation (r = tr + a * TR);
-//         RT * DT <= 16, TR * RT >= RMAX, TD * DT >= D
+//   TD    invocations along d in the P·V phase: each owns the 4 dims td + b * TD (b < 4), so
+//         4 * TD >= D; TR = WG / TD invocations along rows, each owning rows tr + a * TR (a < 4)
+// Register tiles are vec4: the score phase computes 4 rows x 1 key per step (the query tile is
+// stored transposed, 4 rows per vec4), the P·V phase a 4 x 4 (rows x dims) tile per invocation
+// (the V tile is stored so that an invocation's 4 dims form one vec4). No private arrays.
 // The loader rewrites the `alias kv_t` line to f16 (and prepends `enable f16;`) for float16
 // caches; accumulation is f32 in both cases.
 
@@ -64,16 +65,10 @@ override S: u32;
 override TK: u32;
 override RMAX: u32;
 override WG: u32 = 64u;
-override RS: u32 = 4u;
 override TD: u32;
-override DT: u32;
-override RT: u32;
 override KS: u32 = D + 1u - (D & 1u);
 override TR: u32 = WG / TD;
-override RPAD: u32 = (RMAX + RS - 1u) / RS * RS;
-
-const ACC: u32 = 16u;  // P·V accumulators per invocation (RT * DT <= ACC)
-const SACC: u32 = 8u;  // score accumulators per invocation (RS <= SACC)
+override NRG: u32 = (RMAX + 3u) / 4u;  // row groups of 4
 const INVALID: u32 = 0xffffffffu;
 
 struct Params {
@@ -95,15 +90,15 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
-var<workgroup> q_tile: array<f32, RPAD * D>;    // the rows' query vectors
+var<workgroup> q_tile: array<vec4<f32>, NRG * D>;   // [d][row group]: rows 4g..4g+3 at dim d
 var<workgroup> k_tile: array<kv_t, TK * KS>;
-var<workgroup> v_tile: array<kv_t, TK * D>;
-var<workgroup> p_tile: array<f32, RPAD * TK>;   // scores, then exp(score - m) (0 if masked)
-var<workgroup> key_ok: array<u32, TK>;          // 1 if the tile's key lies on a readable page
-var<workgroup> row_len: array<u32, RMAX>;       // edge_len of the row's edge (0: no such row)
-var<workgroup> row_m: array<f32, RMAX>;         // running max (meaningful when row_l > 0)
-var<workgroup> row_l: array<f32, RMAX>;         // running sum; 0 = nothing attended yet
-var<workgroup> row_a: array<f32, RMAX>;         // rescale factor of the current tile
+var<workgroup> v_tile: array<vec4<kv_t>, TK * TD>;  // [k][td]: dims td + b * TD, b = 0..3
+var<workgroup> p_tile: array<f32, NRG * 4u * TK>;  // scores, then exp(score - m) (0 if masked)
+var<workgroup> key_ok: array<u32, TK>;             // 1 if the tile's key lies on a readable page
+var<workgroup> row_len: array<u32, RMAX>;          // edge_len of the row's edge (0: no such row)
+var<workgroup> row_m: array<f32, RMAX>;            // running max (meaningful when row_l > 0)
+var<workgroup> row_l: array<f32, RMAX>;            // running sum; 0 = nothing attended yet
+var<workgroup> row_a: array<f32, RMAX>;            // rescale factor of the current tile
 
 // Keys of the tile (starting at k0, nk keys) a row with edge_len `len` may attend: k < kend.
 fn tile_end(len: u32, k0: u32, nk: u32) -> u32 {
@@ -135,18 +130,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         row_m[r] = 0.0;
         row_l[r] = 0.0;
     }
-    for (var x = tid; x < n_rows * D; x += WG) {
+    for (var x = tid; x < NRG * 4u * D; x += WG) {
         let r = x / D;
-        let ie = r / ng;
-        let g = g0 + (r - ie * ng);
-        q_tile[x] = q[(plan[erec + 2u * ie] * params.group + g) * D + (x - r * D)];
-    }
-    var acc: array<f32, ACC>;
-    for (var i = 0u; i < ACC; i++) {
-        acc[i] = 0.0;
+        let d = x - r * D;
+        var qv = 0.0;
+        if (r < n_rows) {
+            let ie = r / ng;
+            let g = g0 + (r - ie * ng);
+            qv = q[(plan[erec + 2u * ie] * params.group + g) * D + d];
+        }
+        q_tile[d * NRG + r / 4u][r % 4u] = qv;
     }
     let tr = tid / TD;
     let td = tid - tr * TD;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
     workgroupBarrier();
 
     for (var k0 = 0u; k0 < max_len; k0 += TK) {
@@ -166,32 +166,28 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 vv = v_cache[src];
             }
             k_tile[k * KS + d] = kk;
-            v_tile[k * D + d] = vv;
+            let b = d / TD;
+            v_tile[k * TD + (d - b * TD)][b] = vv;
             if (d == 0u) {
                 key_ok[k] = select(0u, 1u, slab != INVALID);
             }
         }
         workgroupBarrier();
 
-        // 2. Scaled scores: each invocation does RS rows x 1 key per step.
-        let n_rg = (n_rows + RS - 1u) / RS;
-        for (var x = tid; x < n_rg * nk; x += WG) {
+        // 2. Scaled scores, 4 rows x 1 key per step.
+        for (var x = tid; x < NRG * nk; x += WG) {
             let rg = x / nk;
             let k = x - rg * nk;
-            let r0 = rg * RS;
-            var s: array<f32, SACC>;
-            for (var a = 0u; a < RS; a++) {
-                s[a] = 0.0;
-            }
+            var s4 = vec4<f32>(0.0);
             for (var d = 0u; d < D; d++) {
-                let kv = f32(k_tile[k * KS + d]);
-                for (var a = 0u; a < RS; a++) {
-                    s[a] += q_tile[(r0 + a) * D + d] * kv;
-                }
+                s4 += q_tile[d * NRG + rg] * f32(k_tile[k * KS + d]);
             }
-            for (var a = 0u; a < RS; a++) {
-                p_tile[(r0 + a) * TK + k] = s[a] * params.scale;
-            }
+            s4 *= params.scale;
+            let pb = rg * 4u * TK + k;
+            p_tile[pb] = s4.x;
+            p_tile[pb + TK] = s4.y;
+            p_tile[pb + 2u * TK] = s4.z;
+            p_tile[pb + 3u * TK] = s4.w;
         }
         workgroupBarrier();
 
@@ -235,42 +231,52 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
 
-        // 4. o += P V on an RT x DT register tile per invocation.
+        // 4. o += P V on a 4 x 4 (rows x dims) register tile per invocation.
         if (tr < TR) {
-            var kend: array<u32, ACC>;
-            for (var a = 0u; a < RT; a++) {
-                let r = tr + a * TR;
-                let rr = min(r, RMAX - 1u);
-                kend[a] = select(0u, tile_end(row_len[rr], k0, nk), r < n_rows);
-                let alpha = select(1.0, row_a[rr], r < n_rows);
-                for (var b = 0u; b < DT; b++) {
-                    acc[a * DT + b] *= alpha;
-                }
-            }
-            for (var k = 0u; k < nk; k++) {
-                var v: array<f32, ACC>;
-                for (var b = 0u; b < DT; b++) {
-                    v[b] = f32(v_tile[k * D + min(td + b * TD, D - 1u)]);
-                }
-                for (var a = 0u; a < RT; a++) {
-                    let p = p_tile[min(tr + a * TR, RPAD - 1u) * TK + k];
-                    let live = k < kend[a];
-                    for (var b = 0u; b < DT; b++) {
-                        acc[a * DT + b] += select(0.0, p * v[b], live);
-                    }
-                }
+            let r0 = tr;
+            let r1 = tr + TR;
+            let r2 = tr + 2u * TR;
+            let r3 = tr + 3u * TR;
+            let e0 = select(0u, tile_end(row_len[min(r0, RMAX - 1u)], k0, nk), r0 < n_rows);
+            let e1 = select(0u, tile_end(row_len[min(r1, RMAX - 1u)], k0, nk), r1 < n_rows);
+            let e2 = select(0u, tile_end(row_len[min(r2, RMAX - 1u)], k0, nk), r2 < n_rows);
+            let e3 = select(0u, tile_end(row_len[min(r3, RMAX - 1u)], k0, nk), r3 < n_rows);
+            acc0 *= select(1.0, row_a[min(r0, RMAX - 1u)], r0 < n_rows);
+            acc1 *= select(1.0, row_a[min(r1, RMAX - 1u)], r1 < n_rows);
+            acc2 *= select(1.0, row_a[min(r2, RMAX - 1u)], r2 < n_rows);
+            acc3 *= select(1.0, row_a[min(r3, RMAX - 1u)], r3 < n_rows);
+            let pr0 = min(r0, NRG * 4u - 1u) * TK;
+            let pr1 = min(r1, NRG * 4u - 1u) * TK;
+            let pr2 = min(r2, NRG * 4u - 1u) * TK;
+            let pr3 = min(r3, NRG * 4u - 1u) * TK;
+            let emax = max(max(e0, e1), max(e2, e3));
+            for (var k = 0u; k < emax; k++) {
+                let v = vec4<f32>(v_tile[k * TD + td]);
+                let zero = vec4<f32>(0.0);
+                acc0 += select(zero, p_tile[pr0 + k] * v, k < e0);
+                acc1 += select(zero, p_tile[pr1 + k] * v, k < e1);
+                acc2 += select(zero, p_tile[pr2 + k] * v, k < e2);
+                acc3 += select(zero, p_tile[pr3 + k] * v, k < e3);
             }
         }
         workgroupBarrier();
     }
 
     if (tr < TR) {
-        for (var a = 0u; a < RT; a++) {
-            let r = tr + a * TR;
-            for (var b = 0u; b < DT; b++) {
-                let d = td + b * TD;
-                if (r < n_rows && d < D) {
-                    o_out[(prow0 + r) * D + d] = acc[a * DT + b];
+        for (var b = 0u; b < 4u; b++) {
+            let d = td + b * TD;
+            if (d < D) {
+                if (tr < n_rows) {
+                    o_out[(prow0 + tr) * D + d] = acc0[b];
+                }
+                if (tr + TR < n_rows) {
+                    o_out[(prow0 + tr + TR) * D + d] = acc1[b];
+                }
+                if (tr + 2u * TR < n_rows) {
+                    o_out[(prow0 + tr + 2u * TR) * D + d] = acc2[b];
+                }
+                if (tr + 3u * TR < n_rows) {
+                    o_out[(prow0 + tr + 3u * TR) * D + d] = acc3[b];
                 }
             }
         }

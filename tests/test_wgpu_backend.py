@@ -409,7 +409,7 @@ def test_device_failures_become_DeviceError_with_context(be):
 
 
 def test_workgroup_memory_is_checked_against_the_limit():
-    from paged_sparse_attn.backends.wgpu._plan import ACC, choose_geometry
+    from paged_sparse_attn.backends.wgpu._plan import choose_geometry
 
     for limit in (16384, 32768, 49152):
         for D in (1, 2, 5, 31, 32, 33, 64, 100, 128, 255, 256):
@@ -418,5 +418,4 @@ def test_workgroup_memory_is_checked_against_the_limit():
                     g = choose_geometry(D=D, S=4, G=8, block_size=64, rows_needed=512,
                                         kv_itemsize=itemsize, wg_size=wg, wg_storage=limit)
                     assert g.workgroup_bytes <= limit
-                    assert g.RT * g.DT <= ACC and g.TR * g.RT >= g.RMAX and g.TD * g.DT >= D
-                    assert g.TD * g.TR <= wg and g.RS <= 8
+                    assert 4 * g.TD >= D and g.TD * g.TR <= wg and g.RMAX <= 4 * g.TR

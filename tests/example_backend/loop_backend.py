@@ -54,11 +54,12 @@ class LoopBackend(psa.Backend):
                 continue
             kk = k[pages, h, pos % S].astype(np.float32)  # [n, D]: only attended cells are read
             vv = v[pages, h, pos % S].astype(np.float32)
-            s = np.float32(problem.softmax_scale) * (q[t, h * G:(h + 1) * G] @ kk.T)  # [G, n]
-            m[e] = s.max(axis=1)
-            p = np.exp(s - m[e][:, None])
-            l[e] = p.sum(axis=1)
-            o[e] = p @ vv
+            with np.errstate(invalid="ignore"):  # NaN/Inf data the edge attends stays in its result
+                s = np.float32(problem.softmax_scale) * (q[t, h * G:(h + 1) * G] @ kk.T)  # [G, n]
+                m[e] = s.max(axis=1)
+                p = np.exp(s - m[e][:, None])
+                l[e] = p.sum(axis=1)
+                o[e] = p @ vv
         return psa.Partials(o, m, l)
 # --8<-- [end:loop]
 

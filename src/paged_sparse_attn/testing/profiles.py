@@ -16,8 +16,10 @@ CI_EXAMPLES = 20
 """Examples per property and backend in the ``ci`` profile."""
 
 _PROFILES = {
-    # derandomized and without an example database: the same examples on every CI run
-    "ci": dict(max_examples=CI_EXAMPLES, derandomize=True, database=None),
+    # derandomized and without an example database: the same examples on every CI run; no
+    # "explain" phase (it reruns a failure many times to annotate lines)
+    "ci": dict(max_examples=CI_EXAMPLES, derandomize=True, database=None,
+               phases=("explicit", "reuse", "generate", "target", "shrink")),
     "dev": dict(max_examples=60),
     "thorough": dict(max_examples=1000),
 }
@@ -31,7 +33,7 @@ def register_profiles() -> None:
     Hypothesis ships a ``ci`` profile of its own (derandomized, no database, 100 examples); ours
     keeps its settings and bounds the number of examples so the suite fits the CI budget.
     """
-    from hypothesis import HealthCheck, settings
+    from hypothesis import HealthCheck, Phase, settings
 
     common: dict[str, Any] = dict(
         deadline=None,
@@ -43,6 +45,9 @@ def register_profiles() -> None:
             parent = settings.get_profile(name)
         except Exception:
             parent = None
+        opts = dict(opts)
+        if "phases" in opts:
+            opts["phases"] = [Phase[p] for p in opts["phases"]]
         settings.register_profile(name, parent, **common, **opts)
 
 

@@ -126,7 +126,10 @@ def block_tables(draw, *, num_seqs: int, max_pages: int, holes: bool = True, sha
     """
     n = num_seqs * max_pages
     hole = [False] * n
-    if holes and n and draw(st.booleans()):
+    density = draw(st.sampled_from(["none", "few", "many"])) if holes and n else "none"
+    if density == "few":  # about one page in four unmapped
+        hole = [draw(st.integers(0, 3)) == 3 for _ in range(n)]
+    elif density == "many":
         hole = [draw(st.booleans()) for _ in range(n)]
     mapped = [j for j in range(n) if not hole[j]]
     # logical allocation id of every mapped entry: distinct, or (shared) some reuse earlier ones
@@ -154,11 +157,21 @@ def kv_lens(draw, *, num_seqs: int, capacity: int, page_size: int = 1, block_siz
     Biased to the edges: 0, ``capacity`` (full), multiples of the page and block size and their
     neighbours (non-multiples), besides uniform values.
     """
-    special = sorted({0, capacity, *(x + d for m in (page_size, block_size)
-                                     for x in range(0, capacity + 1, max(1, m)) for d in (-1, 0, 1))})
-    special = [x for x in special if 0 <= x <= capacity]
-    one = st.one_of(st.sampled_from(special), st.integers(0, capacity))
-    return np.array([draw(one) for _ in range(num_seqs)], dtype=np.int32)
+    special = sorted({x + d for m in (page_size, block_size)
+                      for x in range(0, capacity + 1, max(1, m)) for d in (-1, 0, 1)})
+    special = [x for x in special if 0 < x < capacity] or [capacity]
+    lens = []
+    for _ in range(num_seqs):
+        kind = draw(st.integers(0, 9))
+        if kind == 0:
+            lens.append(capacity)  # full
+        elif kind == 1:
+            lens.append(0)  # an empty cache
+        elif kind <= 5:
+            lens.append(draw(st.sampled_from(special)))  # on or next to a page / block boundary
+        else:
+            lens.append(draw(st.integers(1, capacity)) if capacity else 0)
+    return np.array(lens, dtype=np.int32)
 
 
 # --- selections ------------------------------------------------------------------------------
@@ -186,14 +199,15 @@ def selections(draw, *, num_queries: int, num_kv_heads: int, topk: int, num_bloc
     if most == 0:
         return sel
     mode = "all" if all_blocks else draw(st.sampled_from(["each", "full", "same"]))
-    lo = 0 if empty_rows else 1
     shared_row = None
     for t in range(num_queries):
         for h in range(num_kv_heads):
+            if empty_rows and not all_blocks and draw(st.integers(0, 4)) == 4:
+                continue  # about one row in five selects nothing
             if mode == "same" and shared_row is not None:
                 ids = shared_row  # every row picks the same blocks: big slot groups (R13)
             else:
-                n = num_blocks if mode == "all" else (most if mode == "full" else draw(st.integers(lo, most)))
+                n = num_blocks if mode == "all" else (most if mode == "full" else draw(st.integers(1, most)))
                 ids = list(draw(st.permutations(range(num_blocks)))[:n])
                 shared_row = ids
             slots = draw(st.permutations(range(topk)))[:len(ids)]
@@ -292,7 +306,7 @@ def problems(
     max_blocks, max_pages_per_seq : int
         Caps on msb and on ``msb * pages_per_block``.
     topk : int, sequence, strategy or None
-        Slots per row; default drawn in ``[0, msb + 1]``.
+        Slots per row; default drawn in ``[1, msb + 1]``, sometimes 0.
     causal : bool or strategy
     holes, shared_pages : bool
         Allow -1 pages / physical pages mapped more than once.
@@ -333,7 +347,10 @@ def problems(
     tail = draw(st.integers(0, ppb - 1)) if tail_pages and ppb > 1 else 0
     max_pages = msb * ppb + tail
     if topk is None:
-        k = draw(st.integers(msb if all_blocks else 0, msb + 1))
+        if all_blocks:
+            k = draw(st.integers(msb, msb + 1))
+        else:  # topk = 0 (nothing selectable) in about one problem in ten
+            k = 0 if draw(st.integers(0, 9)) == 9 else draw(st.integers(1, msb + 1))
     else:
         k = max(draw(_s(topk)), msb if all_blocks else 0)
     is_causal = draw(_s(causal))

@@ -97,6 +97,7 @@ class DeviceContext:
     generation: int = 0
     pipelines: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
+    scratch: tuple | None = None  # partials scratch buffers (o, ml), reused across calls
 
 
 def request_adapter(power_preference: str = "high-performance"):

@@ -34,8 +34,6 @@ from ..._types import KVOuterIndex
 from ...errors import UnsupportedError
 
 __all__ = [
-    "ACC",
-    "SACC",
     "INVALID",
     "ITEM_WORDS",
     "Geometry",
@@ -49,8 +47,6 @@ __all__ = [
     "grid_dispatches",
 ]
 
-ACC = 16  # P.V accumulators per invocation; must match `const ACC` in psa_partials.wgsl
-SACC = 8  # score accumulators per invocation; must match `const SACC`
 INVALID = 0xFFFFFFFF
 ITEM_WORDS = 8
 MAX_RMAX = 256
@@ -69,9 +65,9 @@ def _excl_cumsum(a: np.ndarray) -> np.ndarray:
 class Geometry:
     """Specialisation of the partials kernel (its override constants) and the item shape.
 
-    RMAX rows per work item, TK keys per tile; the score phase gives each invocation RS rows, the
-    P.V phase a register tile of RT rows x DT dims (TD invocations along d, TR = WG // TD along
-    rows).
+    RMAX rows per work item, TK keys per tile. In the P.V phase each invocation owns a 4 x 4
+    register tile: rows ``tr + a * TR`` and dims ``td + b * TD`` (a, b < 4), with
+    ``TD = ceil(D / 4)`` invocations along d and ``TR = WG // TD`` along rows.
     """
 
     D: int
@@ -80,10 +76,7 @@ class Geometry:
     TK: int
     RMAX: int
     WG: int
-    RS: int
     TD: int
-    DT: int
-    RT: int
     kv_itemsize: int
 
     @property
@@ -108,38 +101,36 @@ class Geometry:
 
     @property
     def workgroup_bytes(self) -> int:
-        return workgroup_bytes(self.D, self.TK, self.RMAX, self.RS, self.kv_itemsize)
+        return workgroup_bytes(self.D, self.TK, self.RMAX, self.TD, self.kv_itemsize)
 
     def constants(self) -> dict[str, int]:
-        return {"D": self.D, "S": self.S, "TK": self.TK, "RMAX": self.RMAX, "WG": self.WG,
-                "RS": self.RS, "TD": self.TD, "DT": self.DT, "RT": self.RT}
+        return {"D": self.D, "S": self.S, "TK": self.TK, "RMAX": self.RMAX, "WG": self.WG, "TD": self.TD}
 
 
-def workgroup_bytes(D: int, TK: int, RMAX: int, RS: int, kv_itemsize: int) -> int:
+def workgroup_bytes(D: int, TK: int, RMAX: int, TD: int, kv_itemsize: int) -> int:
     """Workgroup memory of psa_partials.wgsl for these constants (each array rounded to 16 bytes)."""
     KS = D + 1 - (D & 1)
-    RPAD = -(-RMAX // RS) * RS
+    NRG = -(-RMAX // 4)
 
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    return (a(RPAD * D * 4) + a(TK * KS * kv_itemsize) + a(TK * D * kv_itemsize) + a(RPAD * TK * 4)
-            + a(TK * 4) + 4 * a(RMAX * 4))
+    return (a(NRG * D * 16) + a(TK * KS * kv_itemsize) + a(TK * TD * 4 * kv_itemsize)
+            + a(NRG * 4 * TK * 4) + a(TK * 4) + 4 * a(RMAX * 4))
 
 
 def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int, kv_itemsize: int,
-                    wg_size: int, wg_storage: int) -> Geometry:
+                    wg_size: int, wg_storage: int, max_tk: int = MAX_TK, max_rmax: int = MAX_RMAX) -> Geometry:
     """Largest tile that fits the device's workgroup memory (checked here: wgpu does not)."""
-    TD = min(D, 32, wg_size)
-    DT = -(-D // TD)
+    TD = -(-D // 4)
+    if TD > wg_size:
+        raise UnsupportedError(f"backend 'wgpu': head_dim {D} needs a workgroup size >= {TD} [R18]")
     TR = wg_size // TD
-    if DT > ACC:
-        raise UnsupportedError(f"backend 'wgpu': head_dim {D} exceeds {ACC * TD} [R18]")
-    rmax = max(1, min(MAX_RMAX, TR * (ACC // DT), rows_needed))
-    tk = max(1, min(MAX_TK, block_size))
+    rmax = max(1, min(max_rmax, MAX_RMAX, 4 * TR, rows_needed))
+    tk = max(1, min(max_tk, block_size))
 
     def size(tk: int, rmax: int) -> int:
-        return workgroup_bytes(D, tk, rmax, min(4, rmax), kv_itemsize)
+        return workgroup_bytes(D, tk, rmax, TD, kv_itemsize)
 
     while size(tk, rmax) > wg_storage:
         if tk > 8:
@@ -152,8 +143,7 @@ def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int
             raise UnsupportedError(
                 f"backend 'wgpu': head_dim {D} needs {size(1, 1)} bytes of workgroup memory, the "
                 f"device allows {wg_storage} [R18]")
-    return Geometry(D=D, S=S, G=G, TK=tk, RMAX=rmax, WG=wg_size, RS=min(4, rmax), TD=TD, DT=DT,
-                    RT=-(-rmax // TR), kv_itemsize=kv_itemsize)
+    return Geometry(D=D, S=S, G=G, TK=tk, RMAX=rmax, WG=wg_size, TD=TD, kv_itemsize=kv_itemsize)
 
 
 # --- slabs and chunks --------------------------------------------------------------------------
@@ -257,9 +247,13 @@ class IndexView:
 class BatchPlan:
     """Everything one batch uploads and dispatches.
 
+    Partial rows come in groups of G (one group per (edge, cache chunk) piece): partial row
+    ``group * G + g`` is head g of the piece.
+
     ``plan_words`` (u32): item-chunk records | edge records | page lists (psa_partials.wgsl).
     ``dispatches``: (chunk, first item-chunk, count) for the partials kernel.
-    ``merge_words`` (u32) or None: ptr [n_dest + 1] | elems, for psa_merge.wgsl; None when the
+    ``merge_words`` (u32) or None: ptr [n_dest / G + 1] | group ids, for psa_merge.wgsl: the
+    destinations ``j*G .. j*G+G-1`` share the group list ``ptr[j]:ptr[j+1]``. None when the
     partial rows already are the destinations (``identity``).
     ``q_rows``: global q rows (``t * Hkv + h``) to upload, in local order; or a slice.
     ``dest``: slice of the global destination rows this batch writes.
@@ -273,16 +267,16 @@ class BatchPlan:
     n_dest: int
     q_rows: object
     dest: slice
+    group_size: int
 
     @property
     def elem_off(self) -> int:
-        return self.n_dest + 1
+        return self.n_dest // self.group_size + 1
 
 
-def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lrow: np.ndarray,
-           identity_ok: bool) -> dict:
-    """Work items, item-chunks, page lists and partial-row numbering for the edges ``eids``."""
-    G, S = geom.G, geom.S
+def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lrow: np.ndarray) -> dict:
+    """Work items, item-chunks, page lists and partial-row groups for the edges ``eids``."""
+    G = geom.G
     E = eids.shape[0]
     sl = view.slot_of_edge[eids]
     lens = view.edge_len[eids]
@@ -292,17 +286,17 @@ def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lro
     run_id = np.cumsum(new_run) - 1
     pos = np.arange(E, dtype=np.int64) - run_start[run_id]
     new_item = new_run | (pos % geom.edges_per_item == 0)
-    istart = np.flatnonzero(new_item).astype(np.int64)
-    ine = np.diff(np.append(istart, E))
-    imax = np.maximum.reduceat(lens, istart)
-    islot = sl[istart]
+    e_start = np.flatnonzero(new_item).astype(np.int64)  # per edge-item: first local edge
+    e_ne = np.diff(np.append(e_start, E))
+    e_max = np.maximum.reduceat(lens, e_start)
+    e_slot = sl[e_start]
     nh, ngmax = geom.head_splits, geom.heads_per_item
-    if nh > 1:
-        n_e_items = istart.shape[0]
-        istart, ine, imax, islot = (np.repeat(a, nh) for a in (istart, ine, imax, islot))
-        ig0 = np.tile(np.arange(nh, dtype=np.int64) * ngmax, n_e_items)
+    if nh > 1:  # item = (edge-item, head range); items of one edge-item are consecutive
+        istart, ine, imax, islot = (np.repeat(a, nh) for a in (e_start, e_ne, e_max, e_slot))
+        ig0 = np.tile(np.arange(nh, dtype=np.int64) * ngmax, e_start.shape[0])
         ing = np.minimum(ngmax, G - ig0)
     else:
+        istart, ine, imax, islot = e_start, e_ne, e_max, e_slot
         ig0 = np.zeros(istart.shape[0], dtype=np.int64)
         ing = np.full(istart.shape[0], G, dtype=np.int64)
     n_items = istart.shape[0]
@@ -311,36 +305,45 @@ def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lro
     ok = gslab >= 0
     dslab = np.full(gslab.shape[0], -1, dtype=np.int64)
     dslab[ok] = smap.to_device(gslab[ok])
-    chunk = np.full(gslab.shape[0], -1, dtype=np.int64)
-    chunk[ok] = smap.chunk_of(dslab[ok])
-
     nc = smap.n_chunks
     if nc == 1:
         ic_item = np.arange(n_items, dtype=np.int64)
         ic_chunk = np.zeros(n_items, dtype=np.int64)
+        pages = np.where(ok, dslab - smap.chunk_starts[0], INVALID).astype(np.uint32)
+        icpg_off = pg_off
     else:  # one item-chunk per chunk the item's readable pages lie in; none if it has none
+        chunk = np.full(gslab.shape[0], -1, dtype=np.int64)
+        chunk[ok] = smap.chunk_of(dslab[ok])
         key = np.unique(owner[ok] * nc + chunk[ok])
         ic_item, ic_chunk = key // nc, key % nc
         order = np.argsort(ic_chunk, kind="stable")
         ic_item, ic_chunk = ic_item[order], ic_chunk[order]
+        ic_npg = npg[ic_item]
+        icpg_off = _excl_cumsum(ic_npg)
+        icx = np.repeat(np.arange(ic_item.shape[0], dtype=np.int64), ic_npg)
+        src = pg_off[ic_item[icx]] + (np.arange(int(icpg_off[-1]), dtype=np.int64) - icpg_off[icx])
+        same = chunk[src] == ic_chunk[icx]
+        rel = dslab[src] - smap.chunk_starts[np.maximum(chunk[src], 0)]
+        pages = np.where(same, rel, INVALID).astype(np.uint32)
     n_ic = ic_item.shape[0]
-    identity = identity_ok and nc == 1
 
-    ic_npg = npg[ic_item]
-    icpg_off = _excl_cumsum(ic_npg)
-    icx = np.repeat(np.arange(n_ic, dtype=np.int64), ic_npg)
-    src = pg_off[ic_item[icx]] + (np.arange(int(icpg_off[-1]), dtype=np.int64) - icpg_off[icx])
-    same = chunk[src] == ic_chunk[icx]
-    rel = dslab[src] - smap.chunk_starts[np.maximum(chunk[src], 0)]
-    pages = np.where(same, rel, INVALID).astype(np.uint32)
-
-    ic_rows = ine[ic_item] * ing[ic_item]
-    if identity:
-        prow0 = istart[ic_item] * G + ig0[ic_item]
-        n_prows = E * G
+    # partial-row groups: one per (edge, chunk) piece; with one chunk, group = local edge
+    if nc == 1:
+        group0 = istart[ic_item]
+        n_groups = E
+        group_le = group_chunk = None
     else:
-        prow0 = _excl_cumsum(ic_rows)[:-1]
-        n_prows = int(ic_rows.sum())
+        ic_eitem = ic_item // nh
+        pkey, pinv = np.unique(ic_eitem * nc + ic_chunk, return_inverse=True)
+        p_eitem = pkey // nc
+        p_ne = e_ne[p_eitem]
+        pbase = _excl_cumsum(p_ne)
+        group0 = pbase[:-1][pinv.reshape(-1)]
+        n_groups = int(pbase[-1])
+        pog = np.repeat(np.arange(pkey.shape[0], dtype=np.int64), p_ne)
+        group_le = e_start[p_eitem[pog]] + (np.arange(n_groups, dtype=np.int64) - pbase[pog])
+        group_chunk = (pkey % nc)[pog]
+    prow0 = group0 * G + ig0[ic_item]
 
     erec_base = n_ic * ITEM_WORDS
     page_base = erec_base + 2 * E
@@ -350,13 +353,12 @@ def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lro
     items[:, 2] = ig0[ic_item]
     items[:, 3] = ing[ic_item]
     items[:, 4] = erec_base + 2 * istart[ic_item]
-    items[:, 5] = page_base + icpg_off[:-1]
+    items[:, 5] = page_base + icpg_off[:n_ic]
     items[:, 6] = prow0
     erec = np.empty((E, 2), dtype=np.int64)
     erec[:, 0] = lrow
     erec[:, 1] = lens
-    words = np.concatenate([items.ravel(), erec.ravel()]).astype(np.uint32)
-    words = np.concatenate([words, pages])
+    words = np.concatenate([items.ravel().astype(np.uint32), erec.ravel().astype(np.uint32), pages])
 
     dispatches = []
     if n_ic:
@@ -364,30 +366,8 @@ def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lro
         starts = np.concatenate([[0], bounds])
         ends = np.concatenate([bounds, [n_ic]])
         dispatches = [(int(ic_chunk[a]), int(a), int(b - a)) for a, b in zip(starts, ends)]
-    return dict(words=words, dispatches=dispatches, n_prows=n_prows, identity=identity,
-                ic_item=ic_item, ic_chunk=ic_chunk, ic_rows=ic_rows, prow0=prow0, istart=istart,
-                ig0=ig0, ing=ing)
-
-
-def _prow_table(it: dict):
-    """For every partial row: (prow id, local edge, head g, chunk)."""
-    ic_item, ic_rows = it["ic_item"], it["ic_rows"]
-    n = int(ic_rows.sum())
-    icx = np.repeat(np.arange(ic_item.shape[0], dtype=np.int64), ic_rows)
-    r = np.arange(n, dtype=np.int64) - _excl_cumsum(ic_rows)[icx]
-    item = ic_item[icx]
-    ng = it["ing"][item]
-    ie = r // ng
-    prow = it["prow0"][icx] + r
-    le = it["istart"][item] + ie
-    g = it["ig0"][item] + (r - ie * ng)
-    return prow, le, g, it["ic_chunk"][icx]
-
-
-def _segments(dest: np.ndarray, keys: tuple, prow: np.ndarray, n_dest: int) -> np.ndarray:
-    order = np.lexsort(keys + (dest,))
-    ptr = _excl_cumsum(np.bincount(dest, minlength=n_dest))
-    return np.concatenate([ptr, prow[order]]).astype(np.uint32)
+    return dict(words=words, dispatches=dispatches, n_prows=n_groups * G, identity=nc == 1,
+                group_le=group_le, group_chunk=group_chunk)
 
 
 def _batches(costs: list[np.ndarray], caps: list[int], names: list[str], what: str,
@@ -452,17 +432,26 @@ def plan_forward(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) -
         ["partial rows", "plan words", "merge words", "query rows"], "(query, KV head) row", binding)
     plans = []
     for r0, r1 in ranges:
-        eids = np.sort(idx.row_edges[row_ptr[r0]:row_ptr[r1]].astype(np.int64))
-        if eids.size == 0:
+        sl_edges = idx.row_edges[row_ptr[r0]:row_ptr[r1]].astype(np.int64)  # by row, rank order
+        if sl_edges.size == 0:
             continue
+        eids = np.sort(sl_edges)
         lrow = view.edge_row[eids] - r0
-        it = _items(view, geom, smap, eids, lrow, identity_ok=False)
-        prow, le, g, ch = _prow_table(it)
-        n_dest = (r1 - r0) * geom.G
-        dest = lrow[le] * geom.G + g
-        merge = _segments(dest, (ch, view.edge_rank[eids][le]), prow, n_dest)
-        plans.append(BatchPlan(it["words"], it["dispatches"], it["n_prows"], False, merge, n_dest,
-                               slice(r0, r1), slice(r0 * geom.G, r1 * geom.G)))
+        it = _items(view, geom, smap, eids, lrow)
+        n_rows = r1 - r0
+        if it["identity"]:  # group of edge e = its local index: the row lists its edges in rank order
+            ptr = row_ptr[r0:r1 + 1] - row_ptr[r0]
+            local = np.empty(view.E, dtype=np.int64)
+            local[eids] = np.arange(eids.shape[0], dtype=np.int64)
+            elems = local[sl_edges]
+        else:
+            le, ch = it["group_le"], it["group_chunk"]
+            order = np.lexsort((ch, view.edge_rank[eids][le], lrow[le]))
+            ptr = _excl_cumsum(np.bincount(lrow[le], minlength=n_rows))
+            elems = order
+        merge = np.concatenate([ptr, elems]).astype(np.uint32)
+        plans.append(BatchPlan(it["words"], it["dispatches"], it["n_prows"], False, merge, n_rows * geom.G,
+                               slice(r0, r1), slice(r0 * geom.G, r1 * geom.G), geom.G))
     return plans
 
 
@@ -483,14 +472,15 @@ def plan_partials(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) 
         eids = eall[e0:e1]
         rows = view.edge_row[eids]
         q_rows, lrow = np.unique(rows, return_inverse=True)
-        it = _items(view, geom, smap, eids, lrow.astype(np.int64), identity_ok=True)
-        n_dest = (e1 - e0) * geom.G
+        it = _items(view, geom, smap, eids, lrow.reshape(-1).astype(np.int64))
         merge = None
-        if not it["identity"]:
-            prow, le, g, ch = _prow_table(it)
-            merge = _segments(le * geom.G + g, (ch,), prow, n_dest)
+        if not it["identity"]:  # merge the per-chunk pieces of every edge
+            le, ch = it["group_le"], it["group_chunk"]
+            order = np.lexsort((ch, le))
+            ptr = _excl_cumsum(np.bincount(le, minlength=e1 - e0))
+            merge = np.concatenate([ptr, order]).astype(np.uint32)
         plans.append(BatchPlan(it["words"], it["dispatches"], it["n_prows"], it["identity"], merge,
-                               n_dest, q_rows, slice(e0 * geom.G, e1 * geom.G)))
+                               (e1 - e0) * geom.G, q_rows, slice(e0 * geom.G, e1 * geom.G), geom.G))
     return plans
 
 

@@ -16,6 +16,7 @@ reports why the backend cannot run instead of raising.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -95,11 +96,16 @@ class WgpuBackend(Backend):
         self._generation = 0
         self._ctx: DeviceContext | None = None
         self._caps: Capabilities | None = None
+        #: Host-side stage times of the last call (seconds), for profiling: ``cache_s`` (cache
+        #: upload or lookup), ``plan_s``, ``encode_s`` (buffers and commands),
+        #: ``gpu_and_readback_s`` (submit until the results are on the host), ``total_s``.
+        self.last_timings: dict = {}
         self._open()
         wg = 64 if workgroup_size is None else int(workgroup_size)
         if wg < 1 or wg > self._ctx.max_invocations:
             raise ValueError(f"WgpuBackend(): workgroup_size must be in 1..{self._ctx.max_invocations}, got {wg}")
         self._wg = wg
+        self._tune: dict = {}  # geometry caps (max_tk, max_rmax, rs) for tuning experiments
 
     # --- availability and device ---------------------------------------------------------------
 
@@ -389,6 +395,8 @@ class WgpuBackend(Backend):
                 raise
 
     def _run_locked(self, problem, index, mode, o, ml) -> None:
+        t0 = time.perf_counter()
+        self.last_timings = timings = {}
         ctx = self._device()
         Tq, Hq, D = problem.q.shape
         Hkv = index.num_kv_heads
@@ -398,12 +406,16 @@ class WgpuBackend(Backend):
         try:
             geom = choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
                                    rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=layout.itemsize,
-                                   wg_size=self._wg, wg_storage=ctx.workgroup_storage)
+                                   wg_size=self._wg, wg_storage=ctx.workgroup_storage, **self._tune)
             smap = layout.slab_map()
+            t1 = time.perf_counter()
             plans = (plan_forward if mode == "forward" else plan_partials)(view, geom, smap, ctx.binding_size)
+            t2 = time.perf_counter()
             q_rows = problem.q.reshape(Tq * Hkv, G * D)
             self._execute(ctx, plans, q_rows, geom, layout, kbufs, vbufs, float(problem.softmax_scale),
-                          normalize=(mode == "forward"), o=o, ml=ml)
+                          normalize=(mode == "forward"), o=o, ml=ml, timings=timings)
+            timings.update(cache_s=t1 - t0, plan_s=t2 - t1, total_s=time.perf_counter() - t0,
+                           batches=len(plans), chunks=layout.n_chunks, geometry=geom)
         finally:
             for b in temps:
                 try:
@@ -411,9 +423,25 @@ class WgpuBackend(Backend):
                 except Exception:
                     pass
 
+    def _scratch(self, ctx: DeviceContext, o_bytes: int, ml_bytes: int):
+        """Partials scratch buffers, kept across calls and grown when a call needs more."""
+        import wgpu
+
+        have = ctx.scratch
+        if have is None or have[0].size < o_bytes or have[1].size < ml_bytes:
+            if have is not None:
+                ctx.scratch = None
+                for b in have:
+                    b.destroy()
+            usage = wgpu.BufferUsage.STORAGE
+            o_buf = ctx.device.create_buffer(size=max(16, o_bytes), usage=usage, label="partials.o")
+            ml_buf = ctx.device.create_buffer(size=max(16, ml_bytes), usage=usage, label="partials.ml")
+            have = ctx.scratch = (o_buf, ml_buf)
+        return have
+
     def _execute(self, ctx: DeviceContext, plans: list[BatchPlan], q_rows: np.ndarray, geom: Geometry,
                  layout: CacheLayout, kbufs: list, vbufs: list, scale: float, *, normalize: bool,
-                 o: np.ndarray, ml: np.ndarray) -> None:
+                 o: np.ndarray, ml: np.ndarray, timings: dict) -> None:
         import wgpu
 
         if not plans:
@@ -439,6 +467,7 @@ class WgpuBackend(Backend):
             return b
 
         S_ = wgpu.BufferUsage.STORAGE
+        t_enc = time.perf_counter()
         try:
             with device_errors("wgpu forward", **sizes):
                 pipe_p, bgl_p = self._pipeline(PARTIALS, f16, geom.constants())
@@ -446,8 +475,7 @@ class WgpuBackend(Backend):
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
                 if scratch_rows:
-                    scratch_o = buf(scratch_rows * D * 4, S_, "partials.o")
-                    scratch_ml = buf(scratch_rows * 8, S_, "partials.ml")
+                    scratch_o, scratch_ml = self._scratch(ctx, scratch_rows * D * 4, scratch_rows * 8)
                 enc = dev.create_command_encoder(label="paged_sparse_attn")
                 readbacks = []
                 maxdim = ctx.workgroups_per_dim
@@ -472,7 +500,7 @@ class WgpuBackend(Backend):
                             wgs = -(-nd * D // MERGE_WG)
                             gx = min(wgs, maxdim)
                             gy = -(-wgs // gx)
-                            records.append(_u32_record(d0, nd, gx, bp.elem_off, int(normalize)))
+                            records.append(_u32_record(d0, nd, gx, bp.elem_off, int(normalize), bp.group_size))
                             calls.append(("m", None, gx, gy))
                     params = np.zeros((len(records), align // 4), dtype=np.uint32)
                     for i, r in enumerate(records):
@@ -502,6 +530,7 @@ class WgpuBackend(Backend):
                     enc.copy_buffer_to_buffer(out_o, 0, rb_o, 0, bp.n_dest * D * 4)
                     enc.copy_buffer_to_buffer(out_ml, 0, rb_ml, 0, bp.n_dest * 8)
                     readbacks.append((bp, rb_o, rb_ml))
+                t_sub = time.perf_counter()
                 dev.queue.submit([enc.finish()])
                 for bp, rb_o, rb_ml in readbacks:
                     rb_o.map_sync(wgpu.MapMode.READ)
@@ -510,6 +539,7 @@ class WgpuBackend(Backend):
                     rb_ml.map_sync(wgpu.MapMode.READ)
                     ml[bp.dest] = np.frombuffer(rb_ml.read_mapped(0, bp.n_dest * 8), dtype=np.float32).reshape(-1, 2)
                     rb_ml.unmap()
+                timings.update(encode_s=t_sub - t_enc, gpu_and_readback_s=time.perf_counter() - t_sub)
         finally:
             for b in owned:
                 try:
