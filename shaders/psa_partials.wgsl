@@ -16,10 +16,10 @@
 //   0 params  uniform              Params (below; one 32-byte record per dispatch)
 //   1 q       storage, read        f32 [n_qrows, G, D]  queries of the batch; a q row is one
 //                                  (query t, KV head h), i.e. q[t, h*G:(h+1)*G, :]
-//   2 k_cache storage, read        kv_t [n_slabs_in_chunk, slab_stride]  K pages of one chunk;
-//                                  a slab is one (page, KV head): [S, D] contiguous, padded to
-//                                  slab_stride elements
-//   3 v_cache storage, read        kv_t, same layout as k_cache
+//   2 k_cache storage, read        vec4<kv_t> [n_slabs_in_chunk, S, D4 / 4]  K pages of one chunk;
+//                                  a slab is one (page, KV head): S rows of D4 = 4 * ceil(D / 4)
+//                                  elements (a row's padding is never used)
+//   3 v_cache storage, read        vec4<kv_t>, same layout as k_cache
 //   4 plan    storage, read        u32: work-item records, edge records and page lists
 //   5 o_out   storage, read_write  f32 [n_prows, D]  unnormalised o of every partial row
 //   6 ml_out  storage, read_write  vec2<f32> [n_prows]  (m, l) of every partial row
@@ -50,11 +50,15 @@
 //   D     head dim                  S     page size
 //   TK    keys per tile             RMAX  rows per work item (RMAX <= 4 * TR)
 //   WG    workgroup size            KS    row stride of the K tile (D padded to an odd number)
-//   TD    invocations along d in the P·V phase: each owns the 4 dims td + b * TD (b < 4), so
-//         4 * TD >= D; TR = WG / TD invocations along rows, each owning rows tr + a * TR (a < 4)
+//   TD    = ceil(D / 4): vec4s per cache row; in the P·V phase invocation (tr, td) owns dims
+//         4 td .. 4 td + 3 of rows tr + a * TR (a < 4), TR = WG / TD
+//   LD    = ceil(TK * TD / WG): vec4 loads per invocation and tile
+//   PS, QS  strides of the score tile and of the transposed query tile, odd against bank
+//         conflicts
 // Register tiles are vec4: the score phase computes 4 rows x 1 key per step (the query tile is
-// stored transposed, 4 rows per vec4), the P·V phase a 4 x 4 (rows x dims) tile per invocation
-// (the V tile is stored so that an invocation's 4 dims form one vec4). No private arrays.
+// stored transposed, 4 rows per vec4), the P·V phase a 4 x 4 (rows x dims) tile per invocation.
+// The cache rows a tile needs are located once per key (row offsets, computed for the next tile
+// while the current one is scored) and read as vec4.
 // The loader rewrites the `alias kv_t` line to f16 (and prepends `enable f16;`) for float16
 // caches; accumulation is f32 in both cases.
 
@@ -69,14 +73,18 @@ override TD: u32;
 override KS: u32 = D + 1u - (D & 1u);
 override TR: u32 = WG / TD;
 override NRG: u32 = (RMAX + 3u) / 4u;  // row groups of 4
+override LD: u32 = (TK * TD + WG - 1u) / WG;
+override PS: u32 = TK + 1u - (TK & 1u);  // row stride of the score tile (odd: no bank conflicts)
+override QS: u32 = NRG | 1u;             // stride (in vec4s) of the transposed query tile (odd)
 const INVALID: u32 = 0xffffffffu;
+override SKIP: u32 = 0u;
 
 struct Params {
     item_base: u32,    // first work item of this dispatch
     n_items: u32,      // work items in this dispatch
     grid_x: u32,       // workgroups along x (the grid is 2-D: item = y * grid_x + x)
     group: u32,        // G, query heads per KV head
-    slab_stride: u32,  // elements per slab in the cache chunk
+    slab_stride: u32,  // vec4s per slab in the cache chunk (S * TD)
     scale: f32,        // softmax scale
     _pad0: u32,
     _pad1: u32,
@@ -84,17 +92,18 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k_cache: array<kv_t>;
-@group(0) @binding(3) var<storage, read> v_cache: array<kv_t>;
+@group(0) @binding(2) var<storage, read> k_cache: array<vec4<kv_t>>;
+@group(0) @binding(3) var<storage, read> v_cache: array<vec4<kv_t>>;
 @group(0) @binding(4) var<storage, read> plan: array<u32>;
 @group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
-var<workgroup> q_tile: array<vec4<f32>, NRG * D>;   // [d][row group]: rows 4g..4g+3 at dim d
+var<workgroup> q_tile: array<vec4<f32>, QS * D>;    // [d][row group]: rows 4g..4g+3 at dim d
 var<workgroup> k_tile: array<kv_t, TK * KS>;
-var<workgroup> v_tile: array<vec4<kv_t>, TK * TD>;  // [k][td]: dims td + b * TD, b = 0..3
-var<workgroup> p_tile: array<f32, NRG * 4u * TK>;  // scores, then exp(score - m) (0 if masked)
-var<workgroup> key_ok: array<u32, TK>;             // 1 if the tile's key lies on a readable page
+var<workgroup> v_tile: array<vec4<kv_t>, TK * TD>;  // [k][td]: dims 4 td .. 4 td + 3
+var<workgroup> p_tile: array<f32, NRG * 4u * PS>;  // [row][key]: scores, then exp(score - m) (0 if masked)
+var<workgroup> key_src: array<u32, 2u * TK>;      // cache row (vec4 index) of each key, or INVALID;
+                                                    // two buffers: this tile's and the next one's
 var<workgroup> row_len: array<u32, RMAX>;          // edge_len of the row's edge (0: no such row)
 var<workgroup> row_m: array<f32, RMAX>;            // running max (meaningful when row_l > 0)
 var<workgroup> row_l: array<f32, RMAX>;            // running sum; 0 = nothing attended yet
@@ -103,6 +112,15 @@ var<workgroup> row_a: array<f32, RMAX>;            // rescale factor of the curr
 // Keys of the tile (starting at k0, nk keys) a row with edge_len `len` may attend: k < kend.
 fn tile_end(len: u32, k0: u32, nk: u32) -> u32 {
     return min(nk, select(0u, len - k0, len > k0));
+}
+
+// vec4 index of the cache row of block position `pos`, or INVALID (page not readable here).
+fn key_row(pages: u32, pos: u32) -> u32 {
+    let slab = plan[pages + pos / S];
+    if (slab == INVALID) {
+        return INVALID;
+    }
+    return slab * params.slab_stride + (pos % S) * TD;
 }
 
 @compute @workgroup_size(WG)
@@ -130,16 +148,27 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         row_m[r] = 0.0;
         row_l[r] = 0.0;
     }
-    for (var x = tid; x < NRG * 4u * D; x += WG) {
-        let r = x / D;
-        let d = x - r * D;
+    // invocation x handles row 4 rg + c at dim d, with c fastest, then d: conflict-free stores
+    for (var x = tid; x < NRG * 4u * D * u32((SKIP & 16u) == 0u); x += WG) {
+        let c = x & 3u;
+        let y = x >> 2u;
+        let rg = y / D;
+        let d = y - rg * D;
+        let r = 4u * rg + c;
         var qv = 0.0;
         if (r < n_rows) {
             let ie = r / ng;
             let g = g0 + (r - ie * ng);
             qv = q[(plan[erec + 2u * ie] * params.group + g) * D + d];
         }
-        q_tile[d * NRG + r / 4u][r % 4u] = qv;
+        q_tile[d * QS + rg][c] = qv;
+    }
+    for (var k = tid; k < TK; k += WG) {
+        var row = INVALID;
+        if (k < max_len) {
+            row = key_row(pages, k);
+        }
+        key_src[k] = row;
     }
     let tr = tid / TD;
     let td = tid - tr * TD;
@@ -152,53 +181,64 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var k0 = 0u; k0 < max_len; k0 += TK) {
         let nk = min(TK, max_len - k0);
 
-        // 1. Load the tile's K and V rows; keys on unreadable pages get zeros (not read).
-        for (var x = tid; x < nk * D; x += WG) {
-            let k = x / D;
-            let d = x - k * D;
-            let pos = k0 + k;
-            let slab = plan[pages + pos / S];
-            var kk = kv_t(0.0);
-            var vv = kv_t(0.0);
-            if (slab != INVALID) {
-                let src = slab * params.slab_stride + (pos % S) * D + d;
-                kk = k_cache[src];
-                vv = v_cache[src];
-            }
-            k_tile[k * KS + d] = kk;
-            let b = d / TD;
-            v_tile[k * TD + (d - b * TD)][b] = vv;
-            if (d == 0u) {
-                key_ok[k] = select(0u, 1u, slab != INVALID);
+        // 1. Load the tile's K and V rows (vec4); keys on unreadable pages get zeros (not read).
+        let cur = ((k0 / TK) & 1u) * TK;
+        for (var i = 0u; i < LD * u32((SKIP & 1u) == 0u); i++) {
+            let x = tid + i * WG;
+            if (x < nk * TD) {
+                let k = x / TD;
+                let j = x - k * TD;
+                let row = key_src[cur + k];
+                var kk = vec4<kv_t>(kv_t(0.0));
+                var vv = vec4<kv_t>(kv_t(0.0));
+                if (row != INVALID) {
+                    kk = k_cache[row + j];
+                    vv = v_cache[row + j];
+                }
+                let kb = k * KS + 4u * j;
+                k_tile[kb] = kk.x;
+                if (4u * j + 1u < D) { k_tile[kb + 1u] = kk.y; }
+                if (4u * j + 2u < D) { k_tile[kb + 2u] = kk.z; }
+                if (4u * j + 3u < D) { k_tile[kb + 3u] = kk.w; }
+                v_tile[k * TD + j] = vv;
             }
         }
         workgroupBarrier();
 
-        // 2. Scaled scores, 4 rows x 1 key per step.
-        for (var x = tid; x < NRG * nk; x += WG) {
+        // 2. Scaled scores, 4 rows x 1 key per step; meanwhile locate the next tile's keys.
+        let nxt = TK - cur;
+        let k1 = k0 + TK;
+        for (var k = tid; k < TK; k += WG) {
+            var row = INVALID;
+            if (k1 + k < max_len) {
+                row = key_row(pages, k1 + k);
+            }
+            key_src[nxt + k] = row;
+        }
+        for (var x = tid; x < NRG * nk * u32((SKIP & 2u) == 0u); x += WG) {
             let rg = x / nk;
             let k = x - rg * nk;
             var s4 = vec4<f32>(0.0);
             for (var d = 0u; d < D; d++) {
-                s4 += q_tile[d * NRG + rg] * f32(k_tile[k * KS + d]);
+                s4 += q_tile[d * QS + rg] * f32(k_tile[k * KS + d]);
             }
             s4 *= params.scale;
-            let pb = rg * 4u * TK + k;
+            let pb = rg * 4u * PS + k;
             p_tile[pb] = s4.x;
-            p_tile[pb + TK] = s4.y;
-            p_tile[pb + 2u * TK] = s4.z;
-            p_tile[pb + 3u * TK] = s4.w;
+            p_tile[pb + PS] = s4.y;
+            p_tile[pb + 2u * PS] = s4.z;
+            p_tile[pb + 3u * PS] = s4.w;
         }
         workgroupBarrier();
 
         // 3. Online softmax, one invocation per row; masked pairs get p = 0.
-        for (var r = tid; r < n_rows; r += WG) {
+        for (var r = tid; r < n_rows * u32((SKIP & 4u) == 0u); r += WG) {
             let kend = tile_end(row_len[r], k0, nk);
             var tmax = 0.0;
             var seen = false;
             for (var k = 0u; k < kend; k++) {
-                if (key_ok[k] != 0u) {
-                    let s = p_tile[r * TK + k];
+                if (key_src[cur + k] != INVALID) {
+                    let s = p_tile[r * PS + k];
                     tmax = select(s, max(tmax, s), seen);
                     seen = true;
                 }
@@ -217,10 +257,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             var sum = 0.0;
             for (var k = 0u; k < nk; k++) {
                 var p = 0.0;
-                if (k < kend && key_ok[k] != 0u) {
-                    p = exp(p_tile[r * TK + k] - m_new);
+                if (k < kend && key_src[cur + k] != INVALID) {
+                    p = exp(p_tile[r * PS + k] - m_new);
                 }
-                p_tile[r * TK + k] = p;
+                p_tile[r * PS + k] = p;
                 sum += p;
             }
             if (seen) {
@@ -232,7 +272,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier();
 
         // 4. o += P V on a 4 x 4 (rows x dims) register tile per invocation.
-        if (tr < TR) {
+        if (tr < TR && (SKIP & 8u) == 0u) {
             let r0 = tr;
             let r1 = tr + TR;
             let r2 = tr + 2u * TR;
@@ -245,10 +285,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             acc1 *= select(1.0, row_a[min(r1, RMAX - 1u)], r1 < n_rows);
             acc2 *= select(1.0, row_a[min(r2, RMAX - 1u)], r2 < n_rows);
             acc3 *= select(1.0, row_a[min(r3, RMAX - 1u)], r3 < n_rows);
-            let pr0 = min(r0, NRG * 4u - 1u) * TK;
-            let pr1 = min(r1, NRG * 4u - 1u) * TK;
-            let pr2 = min(r2, NRG * 4u - 1u) * TK;
-            let pr3 = min(r3, NRG * 4u - 1u) * TK;
+            let pr0 = min(r0, NRG * 4u - 1u) * PS;
+            let pr1 = min(r1, NRG * 4u - 1u) * PS;
+            let pr2 = min(r2, NRG * 4u - 1u) * PS;
+            let pr3 = min(r3, NRG * 4u - 1u) * PS;
             let emax = max(max(e0, e1), max(e2, e3));
             for (var k = 0u; k < emax; k++) {
                 let v = vec4<f32>(v_tile[k * TD + td]);
@@ -264,7 +304,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
     if (tr < TR) {
         for (var b = 0u; b < 4u; b++) {
-            let d = td + b * TD;
+            let d = 4u * td + b;
             if (d < D) {
                 if (tr < n_rows) {
                     o_out[(prow0 + tr) * D + d] = acc0[b];

@@ -83,11 +83,10 @@ def test_unavailable_backend_that_is_not_required_is_skipped_with_the_reason(tmp
 
 
 def test_backend_option_selects_and_the_header_lists_availability(tmp_path):
-    proc = _pytest("--backend", LOOP, "--co", "-q", cwd=tmp_path)
-    assert proc.returncode == 0, _tail(proc)
-    ids = [line for line in proc.stdout.splitlines() if "::test_" in line]
-    assert ids and all(f"[{LOOP}" in i for i in ids), _tail(proc)  # only the selected backend
     proc = _pytest("--backend", LOOP, "--co", cwd=tmp_path)
+    assert proc.returncode == 0, _tail(proc)
+    items = [line.strip() for line in proc.stdout.splitlines() if "<Function test_" in line]
+    assert items and all(f"[{LOOP}" in i for i in items), _tail(proc)  # only the selected backend
     assert "paged_sparse_attn backends:" in proc.stdout, _tail(proc)
     assert "  numpy: available" in proc.stdout, _tail(proc)
     assert f"  {LOOP}: available [selected]" in proc.stdout, _tail(proc)

