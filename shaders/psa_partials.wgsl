@@ -77,7 +77,6 @@ override LD: u32 = (TK * TD + WG - 1u) / WG;
 override PS: u32 = TK + 1u - (TK & 1u);  // row stride of the score tile (odd: no bank conflicts)
 override QS: u32 = NRG | 1u;             // stride (in vec4s) of the transposed query tile (odd)
 const INVALID: u32 = 0xffffffffu;
-override SKIP: u32 = 0u;
 
 struct Params {
     item_base: u32,    // first work item of this dispatch
@@ -149,7 +148,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         row_l[r] = 0.0;
     }
     // invocation x handles row 4 rg + c at dim d, with c fastest, then d: conflict-free stores
-    for (var x = tid; x < NRG * 4u * D * u32((SKIP & 16u) == 0u); x += WG) {
+    for (var x = tid; x < NRG * 4u * D; x += WG) {
         let c = x & 3u;
         let y = x >> 2u;
         let rg = y / D;
@@ -183,7 +182,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
         // 1. Load the tile's K and V rows (vec4); keys on unreadable pages get zeros (not read).
         let cur = ((k0 / TK) & 1u) * TK;
-        for (var i = 0u; i < LD * u32((SKIP & 1u) == 0u); i++) {
+        for (var i = 0u; i < LD; i++) {
             let x = tid + i * WG;
             if (x < nk * TD) {
                 let k = x / TD;
@@ -215,7 +214,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             key_src[nxt + k] = row;
         }
-        for (var x = tid; x < NRG * nk * u32((SKIP & 2u) == 0u); x += WG) {
+        for (var x = tid; x < NRG * nk; x += WG) {
             let rg = x / nk;
             let k = x - rg * nk;
             var s4 = vec4<f32>(0.0);
@@ -232,7 +231,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier();
 
         // 3. Online softmax, one invocation per row; masked pairs get p = 0.
-        for (var r = tid; r < n_rows * u32((SKIP & 4u) == 0u); r += WG) {
+        for (var r = tid; r < n_rows; r += WG) {
             let kend = tile_end(row_len[r], k0, nk);
             var tmax = 0.0;
             var seen = false;
@@ -272,7 +271,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier();
 
         // 4. o += P V on a 4 x 4 (rows x dims) register tile per invocation.
-        if (tr < TR && (SKIP & 8u) == 0u) {
+        if (tr < TR) {
             let r0 = tr;
             let r1 = tr + TR;
             let r2 = tr + 2u * TR;

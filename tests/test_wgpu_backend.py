@@ -47,6 +47,12 @@ def be_split(WgpuBackend):
 
 
 @pytest.fixture(scope="session")
+def be_split_wide(WgpuBackend):
+    """Like be_split with room for rows of G = 8, D = 33: chunks, batches, 3 x 3 grids."""
+    return WgpuBackend(required_limits="default", max_binding_size=8192, max_workgroups_per_dim=3)
+
+
+@pytest.fixture(scope="session")
 def be_nof16(WgpuBackend):
     return WgpuBackend(required_limits="default", disable_features=("shader-f16",))
 
@@ -127,6 +133,8 @@ def test_constructor_rejects_bad_options(WgpuBackend):
         WgpuBackend(power_preference="fast")
     with pytest.raises(ValueError, match="max_binding_size"):
         WgpuBackend(required_limits="default", max_binding_size=8)
+    with pytest.raises(ValueError, match="workgroup_size"):
+        WgpuBackend(required_limits="default", workgroup_size=32)
 
 
 def test_shaders_are_found_and_specialised_for_float16():
@@ -223,6 +231,33 @@ def test_R12_logits_near_minus_1e6_are_exact(be):
     assert_close_to_reference(out, ref, np.float32)
     ulp = float(np.spacing(np.float32(1e6)))
     assert np.abs(lse.astype(np.float64) - ref_lse).max() <= 2 * ulp
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_R9_R14_R20_seeded_random_problems_on_the_default_and_split_paths(be, be_split_wide, seed):
+    rng = np.random.default_rng(seed)
+    kw = dict(G=int(rng.choice([1, 2, 3, 8])), D=int(rng.choice([1, 3, 8, 12, 33])),
+              page_size=int(rng.choice([1, 2, 3])), ppb=int(rng.integers(1, 4)), msb=int(rng.integers(1, 4)),
+              Hkv=int(rng.integers(1, 3)), seqlens_q=tuple(int(x) for x in rng.integers(0, 4, size=3)),
+              causal=bool(seed % 2), dtype=[np.float32, np.float16][seed % 3 == 2],
+              used=["random", "full", "default"][seed % 3])
+    pb = make_problem(500 + seed, **kw)
+    idx = index_of(pb)
+    p_np = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend="numpy")
+    for backend in (be, be_split_wide):
+        check(pb, backend)
+        assert_partials_match(psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend=backend), p_np)
+
+
+def test_timestamps_report_kernel_times(WgpuBackend):
+    be_ts = WgpuBackend(required_limits="default", timestamps=True)
+    pb = make_problem(60, seqlens_q=(2, 2), used="full")
+    psa.forward(*pb.args, **pb.kwargs, backend=be_ts)
+    t = be_ts.last_timings
+    for key in ("plan_s", "encode_s", "gpu_wait_s", "readback_s", "total_s"):
+        assert t[key] >= 0
+    if "timestamp-query" in be_ts.capabilities.features:
+        assert t["gpu_partials_s"] > 0 and t["gpu_merge_s"] > 0
 
 
 # --- partials and combine (R14, R15) -----------------------------------------------------------

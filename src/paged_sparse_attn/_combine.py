@@ -33,7 +33,7 @@ def combine_partials_numpy(partials: Partials, index: KVOuterIndex) -> tuple[np.
     M = np.full((R, G), -np.inf, dtype=np.float32)  # M = max_e m_e
     for rows, e in layers:
         M[rows] = np.maximum(M[rows], np.take(m, e, axis=0))
-    ok = M > -np.inf  # else every edge of the row is empty: out = 0, lse = -inf
+    ok = M != -np.inf  # else every edge of the row is empty: out = 0, lse = -inf (NaN stays NaN)
     Ms = np.where(ok, M, 0).astype(np.float32)
     lsum = np.zeros((R, G), dtype=np.float32)
     acc = np.zeros((R, G, D), dtype=np.float32)

@@ -26,6 +26,7 @@ __all__ = [
     "check_softmax_scale",
     "check_causal",
     "check_layout",
+    "check_capacity",
     "validate_forward",
     "validate_index_inputs",
     "validate_index",
@@ -162,6 +163,13 @@ def check_causal(causal: Any, fn: str) -> bool:
     return bool(causal)
 
 
+def check_capacity(msb: int, block_size: int, fn: str) -> None:
+    """R7: KV positions and lengths (up to ``msb * block_size``) are int32 values."""
+    if msb * block_size > _I32.max:
+        raise _fail(fn, f"msb*block_size = {msb}*{block_size} = {msb * block_size} KV positions per "
+                    f"sequence must fit int32 (<= {_I32.max})", "R7")
+
+
 def _first_index(mask: np.ndarray) -> list[int]:
     return [int(i) for i in np.argwhere(mask)[0]]
 
@@ -198,6 +206,7 @@ def check_layout(
             f"{ppb} pages (block_size={bs}, page_size={page_size}); msb must be >= 1",
             "R5",
         )
+    check_capacity(msb, bs, fn)
     if bt.size:
         bad = bt < -1
         if num_pages is not None:
@@ -310,7 +319,15 @@ def validate_index_inputs(
 
 def validate_index(fn: str, index: Any, *, num_queries: int | None = None, num_kv_heads: int | None = None,
                    page_size: int | None = None, num_pages: int | None = None) -> KVOuterIndex:
-    """Check that ``index`` is a KVOuterIndex consistent with the other arguments (R13)."""
+    """Check that ``index`` is a KVOuterIndex consistent with the other arguments (R13).
+
+    Besides the sizes the caller knows, every field is checked to be exactly what
+    :func:`build_kvouter_index` makes of the index's own layout (R2-R5) and edges: int32 arrays of
+    the right lengths, ids in range, slot groups and rows consistent with the edges, each edge's
+    length equal to the R13 formula. A kernel trusts these arrays as page and position indices
+    (the GPU kernels have no other bounds), so an index built by hand or modified after it was
+    built must not reach a backend unless it is one :func:`build_kvouter_index` could have made.
+    """
     if not isinstance(index, KVOuterIndex):
         raise _fail(fn, f"index must be a KVOuterIndex from build_kvouter_index(), got {type(index).__name__}", "R13")
     if num_queries is not None and index.num_queries != num_queries:
@@ -319,9 +336,115 @@ def validate_index(fn: str, index: Any, *, num_queries: int | None = None, num_k
         raise _fail(fn, f"index was built for Hkv={index.num_kv_heads} KV heads, k_cache has {num_kv_heads}", "R13")
     if page_size is not None and index.page_size != page_size:
         raise _fail(fn, f"index was built for page_size={index.page_size}, k_cache has {page_size}", "R13")
-    if num_pages is not None and index.block_tables.size and int(index.block_tables.max()) >= num_pages:
-        raise _fail(fn, f"index.block_tables references page {int(index.block_tables.max())}, k_cache has P={num_pages}", "R2")
+    bt = getattr(index, "block_tables", None)
+    if num_pages is not None and isinstance(bt, np.ndarray) and bt.size and bt.dtype.kind in "iu" \
+            and int(bt.max()) >= num_pages:
+        raise _fail(fn, f"index.block_tables references page {int(bt.max())}, k_cache has P={num_pages}", "R2")
+    _check_index_fields(fn, index, num_pages)
     return index
+
+
+def _tampered(fn: str, what: str) -> SpecError:
+    return _fail(fn, f"index.{what}; it was not made by build_kvouter_index() or was modified afterwards", "R13")
+
+
+def _check_index_fields(fn: str, ix: KVOuterIndex, num_pages: int | None) -> None:
+    """R13: every field of ``ix`` in range and consistent (vectorised, O(E + Tq*Hkv + B*max_pages))."""
+    from ._index import query_positions
+
+    scalars = {n: getattr(ix, n) for n in ("num_queries", "num_kv_heads", "block_size", "page_size", "msb")}
+    for name, v in scalars.items():
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < (0 if name == "num_queries" else 1):
+            raise _tampered(fn, f"{name} must be a {'non-negative' if name == 'num_queries' else 'positive'} int, got {v!r}")
+    if not isinstance(ix.causal, (bool, np.bool_)):
+        raise _tampered(fn, f"causal must be a bool, got {ix.causal!r}")
+    Tq, Hkv, bs, S, msb = (int(v) for v in scalars.values())
+    arrays = ("edge_query", "edge_head", "edge_seq", "edge_block", "edge_rank", "edge_len", "slot_ptr", "slot_head",
+              "slot_seq", "slot_block", "row_ptr", "row_edges", "block_tables", "cu_seqlens_q", "used_kv_lens")
+    for name in arrays:
+        a = getattr(ix, name)
+        want_ndim = 2 if name == "block_tables" else 1
+        if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.ndim != want_ndim:
+            got = f"{a.dtype.name} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise _tampered(fn, f"{name} must be a {want_ndim}-D int32 array, got {got}")
+    # the layout the index was built from: the rules of forward() (R2-R5, R7)
+    bt, cu, lens, _, _ = check_layout(fn, ix.block_tables, ix.cu_seqlens_q, ix.used_kv_lens,
+                                      np.zeros((Tq, Hkv, 0), np.int32), block_size=bs, page_size=S,
+                                      num_pages=num_pages, num_queries=Tq, num_kv_heads=Hkv)
+    if bt.shape[1] // (bs // S) != msb:
+        raise _tampered(fn, f"msb={msb} does not match block_tables {bt.shape} with block_size={bs}, page_size={S}")
+    E = ix.edge_query.shape[0]
+    for name in ("edge_head", "edge_seq", "edge_block", "edge_rank", "edge_len", "row_edges"):
+        if getattr(ix, name).shape[0] != E:
+            raise _tampered(fn, f"{name} has {getattr(ix, name).shape[0]} entries, edge_query has E={E}")
+    n_slots = ix.slot_head.shape[0]
+    if ix.slot_seq.shape[0] != n_slots or ix.slot_block.shape[0] != n_slots or ix.slot_ptr.shape[0] != n_slots + 1:
+        raise _tampered(fn, f"slot arrays have inconsistent lengths: slot_ptr {ix.slot_ptr.shape[0]}, slot_head "
+                        f"{n_slots}, slot_seq {ix.slot_seq.shape[0]}, slot_block {ix.slot_block.shape[0]}")
+    R = Tq * Hkv
+    if ix.row_ptr.shape[0] != R + 1:
+        raise _tampered(fn, f"row_ptr has {ix.row_ptr.shape[0]} entries, expected Tq*Hkv+1={R + 1}")
+
+    def in_range(name: str, a: np.ndarray, lo: int, hi: int) -> None:
+        bad = (a < lo) | (a >= hi)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise _tampered(fn, f"{name}[{j}]={int(a[j])} is outside [{lo}, {hi})")
+
+    t = ix.edge_query.astype(np.int64)
+    h = ix.edge_head.astype(np.int64)
+    s = ix.edge_block.astype(np.int64)
+    in_range("edge_query", t, 0, max(Tq, 0))
+    in_range("edge_head", h, 0, Hkv)
+    in_range("edge_block", s, 0, msb)
+    in_range("edge_rank", ix.edge_rank, 0, _I32.max)
+    seq, hi = query_positions(cu, lens, bool(ix.causal))
+    b = ix.edge_seq.astype(np.int64)
+    if E and (b != seq[t]).any():
+        j = int(np.argmax(b != seq[t]))
+        raise _tampered(fn, f"edge_seq[{j}]={int(b[j])}, but query {int(t[j])} belongs to sequence {int(seq[t[j]])}")
+    # the positions an edge may attend: exactly those R9 allows (a longer edge would read past
+    # L_b or into the causal future; a kept edge attends at least one position)
+    want_len = np.minimum(bs, hi[t] - s * bs) if E else np.zeros(0, np.int64)
+    bad = (ix.edge_len != want_len) | (want_len < 1)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise _tampered(fn, f"edge_len[{j}]={int(ix.edge_len[j])} does not match block {int(s[j])} of query "
+                        f"{int(t[j])} (expected {int(want_len[j])}; edges of blocks it cannot see must not exist)")
+    # edge order (R13): KV head, then slot (b, s), then query t, strictly: no edge twice
+    if E > 1:
+        d_h, d_b, d_s, d_t = (np.diff(x) for x in (h, b, s, t))
+        up = (d_h > 0) | ((d_h == 0) & ((d_b > 0) | ((d_b == 0) & ((d_s > 0) | ((d_s == 0) & (d_t > 0))))))
+        if not up.all():
+            j = int(np.argmin(up))
+            raise _tampered(fn, f"edges {j} and {j + 1} are not in (KV head, sequence, block, query) order or repeat")
+    # slot groups: the maximal runs of equal (h, b, s)
+    new = np.ones(E, dtype=bool)
+    if E > 1:
+        new[1:] = (np.diff(h) != 0) | (np.diff(b) != 0) | (np.diff(s) != 0)
+    starts = np.flatnonzero(new)
+    if not (np.array_equal(ix.slot_ptr[:-1], starts) and int(ix.slot_ptr[-1]) == E):
+        raise _tampered(fn, "slot_ptr does not delimit the runs of equal (KV head, sequence, block) edges")
+    if not (np.array_equal(ix.slot_head, h[starts]) and np.array_equal(ix.slot_seq, b[starts])
+            and np.array_equal(ix.slot_block, s[starts])):
+        raise _tampered(fn, "slot_head / slot_seq / slot_block do not match the edges of their slot groups")
+    # rows: row_ptr delimits, row_edges lists each edge once, under its own row, in rank order
+    rp = ix.row_ptr.astype(np.int64)
+    if rp[0] != 0 or rp[-1] != E or (np.diff(rp) < 0).any():
+        raise _tampered(fn, f"row_ptr must rise from 0 to E={E}")
+    re = ix.row_edges.astype(np.int64)
+    in_range("row_edges", re, 0, E)
+    if E and (np.bincount(re, minlength=E) != 1).any():
+        raise _tampered(fn, "row_edges must list every edge exactly once")
+    row_of = np.repeat(np.arange(R, dtype=np.int64), np.diff(rp))
+    if E and (t[re] * Hkv + h[re] != row_of).any():
+        j = int(np.argmax(t[re] * Hkv + h[re] != row_of))
+        raise _tampered(fn, f"row_edges[{j}]={int(re[j])} is listed under row {int(row_of[j])}, not its own")
+    if E > 1:
+        rank = ix.edge_rank.astype(np.int64)[re]
+        same_row = row_of[1:] == row_of[:-1]
+        if (same_row & (np.diff(rank) <= 0)).any():
+            raise _tampered(fn, "row_edges must list the edges of a row in increasing edge_rank")
 
 
 def validate_partials(fn: str, partials: Any, index: KVOuterIndex) -> Partials:

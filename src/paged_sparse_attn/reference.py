@@ -129,7 +129,7 @@ def merge_states(o_a, lse_a, o_b, lse_b) -> tuple[np.ndarray, np.ndarray]:
     # --8<-- [start:merge]
     a, b = lse_a.astype(np.float64), lse_b.astype(np.float64)
     M = np.maximum(a, b)
-    ok = M > -np.inf
+    ok = M != -np.inf  # NaN propagates; only (.., -inf) on both sides is empty
     Ms = np.where(ok, M, 0.0)
     wa = np.where(a > -np.inf, np.exp(a - Ms), 0.0)  # exp(-inf) = 0 exactly, no nan
     wb = np.where(b > -np.inf, np.exp(b - Ms), 0.0)

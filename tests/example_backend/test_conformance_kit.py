@@ -61,6 +61,20 @@ def test_run_conformance_fails_a_backend_that_ignores_causal(tmp_path):
     assert "FAILED" in proc.stdout and "test_R" in proc.stdout, _tail(proc)
 
 
+def test_the_suite_fails_every_mutant_and_passes_its_correct_base(tmp_path):
+    from example_backend.mutants import MUTANTS
+
+    specs = [f"example_backend.mutants:{name}" for name in ("Correct", *MUTANTS)]
+    args = [a for spec in specs for a in ("--backend", spec)]
+    proc = _pytest(*args, "-k", "R11_forward or R12 or R20", "-p", "example_backend.hunt_profile",
+                   "--hypothesis-profile", "hunt", "-q", "-rf", "-p", "no:warnings", cwd=tmp_path, timeout=600)
+    failed = {line.split("[", 1)[1].split("]", 1)[0] for line in proc.stdout.splitlines()
+              if line.startswith("FAILED") and "[" in line}
+    assert not {s for s in failed if s.endswith(":Correct")}, _tail(proc)
+    missed = [s for s in specs[1:] if s not in failed]
+    assert not missed, f"the suite did not catch {missed}\n{_tail(proc)}"
+
+
 def test_required_backend_that_is_unavailable_is_an_error_not_a_skip(tmp_path):
     proc = _pytest("--require-backend", UNAVAILABLE, "-k", "R18 and UnavailableBackend", "-rsE", cwd=tmp_path)
     assert proc.returncode == 1, _tail(proc)

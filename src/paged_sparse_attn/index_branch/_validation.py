@@ -20,6 +20,7 @@ from .._validation import (
     _fail,
     as_array,
     check_block_size,
+    check_capacity,
     check_causal,
     check_float_array,
     check_int_array,
@@ -187,6 +188,8 @@ def validate_select_topk(fn: str, scores: Any, topk: Any, *, force_local: Any, c
         raise _fail(fn, "used_kv_lens is given without cu_seqlens_q and block_size to check it against", "R23")
     cu = _check_cu(cu_seqlens_q, fn, Tq) if cu_seqlens_q is not None else None
     bs = check_block_size(block_size, 1, fn) if block_size is not None else None
+    if bs is not None:
+        check_capacity(msb, bs, fn)  # lengths up to msb * block_size are int32 (R7)
     local = np.full(Tq, -1, dtype=np.int32)
     if cu is not None and bs is not None:
         lens = _check_lens(used_kv_lens, fn, cu.shape[0] - 1, msb * bs)

@@ -75,7 +75,7 @@ class WgpuBackend(Backend):
     disable_features : tuple of str
         Device features not to request, e.g. ``("shader-f16",)`` (float16 is then unsupported).
     workgroup_size : int, optional
-        Invocations per workgroup of the partials kernel (default 64).
+        Invocations per workgroup of the partials kernel (default 64, at least 64).
     timestamps : bool
         Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
         feature; ignored without it).
@@ -107,10 +107,10 @@ class WgpuBackend(Backend):
         self.last_timings: dict = {}
         self._open()
         wg = 64 if workgroup_size is None else int(workgroup_size)
-        if wg < 1 or wg > self._ctx.max_invocations:
-            raise ValueError(f"WgpuBackend(): workgroup_size must be in 1..{self._ctx.max_invocations}, got {wg}")
+        if wg < 64 or wg > self._ctx.max_invocations:  # 64 = ceil(256 / 4): every head dim fits
+            raise ValueError(f"WgpuBackend(): workgroup_size must be in 64..{self._ctx.max_invocations}, got {wg}")
         self._wg = wg
-        self._tune: dict = {}  # geometry caps (max_tk, max_rmax, rs) for tuning experiments
+        self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
 
     # --- availability and device ---------------------------------------------------------------
 
@@ -472,11 +472,7 @@ class WgpuBackend(Backend):
         t_enc = time.perf_counter()
         try:
             with device_errors("wgpu forward", **sizes):
-                import os as _os
-                _c = geom.constants()
-                if _os.environ.get("PSA_SKIP"):
-                    _c["SKIP"] = int(_os.environ["PSA_SKIP"])
-                pipe_p, bgl_p = self._pipeline(PARTIALS, f16, _c)
+                pipe_p, bgl_p = self._pipeline(PARTIALS, f16, geom.constants())
                 pipe_m, bgl_m = self._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
