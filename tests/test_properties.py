@@ -6,4 +6,4 @@ collects them for the project's own run. Select backends with ``--backend`` /
 ``--require-backend``; see docs/testing.md.
 """
 
-from paged_sparse_attn.testing.test_conformance import *  # noqa: F401,F403
+from paged_sparse_attn.testing.test_conformance import *  # noqa: F403

@@ -24,6 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import paged_sparse_attn as psa
+from paged_sparse_attn._validation import FLOAT_DTYPES
 from paged_sparse_attn.index_branch import block_scores_reference
 from paged_sparse_attn.testing import strategies as pst
 from paged_sparse_attn.testing.assertions import assert_attention_close, tolerance
@@ -329,7 +330,8 @@ def _index_inputs(kw: dict, base: AttentionProblem) -> tuple[np.ndarray, np.ndar
     case's q and k_cache when those are valid arrays, else from the base problem's."""
     q, k = kw["q"], kw["k_cache"]
     ok = (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and q.ndim == 3 and k.ndim == 4
-          and q.dtype.kind == "f" and k.dtype.kind == "f" and k.shape[1] >= 1 and q.shape[1] % k.shape[1] == 0)
+          and q.dtype in FLOAT_DTYPES and k.dtype in FLOAT_DTYPES and q.shape[1] >= k.shape[1] >= 1
+          and q.shape[1] % k.shape[1] == 0)
     q, k = (q, k) if ok else (base.q, base.k_cache)
     G = q.shape[1] // k.shape[1]
     return np.ascontiguousarray(q[:, ::G]), np.ascontiguousarray(k[:, :1])

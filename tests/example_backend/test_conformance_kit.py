@@ -9,14 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-
-import pytest
 
 import paged_sparse_attn
 from paged_sparse_attn.testing.conformance import plugin_args
-
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # holds the example_backend package
 LOOP = "example_backend.loop_backend:LoopBackend"
@@ -28,7 +25,7 @@ def _env() -> dict:
     env = dict(os.environ)
     pkg_root = str(Path(paged_sparse_attn.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), pkg_root, env.get("PYTHONPATH")) if p)
-    env.setdefault("XDG_RUNTIME_DIR", "/tmp")
+    env.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # lavapipe warns without it
     return env
 
 

@@ -11,7 +11,7 @@ to the output scale ``max(1, max |ref|)`` because ``out`` is a convex combinatio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -222,7 +222,8 @@ def assert_partials_close(o, m, l, ref_o, ref_m, ref_l, *, dtype, tol: Tolerance
     lim_m = tol.lse * np.maximum(1.0, np.abs(ref_m[live]))
     assert (dm <= lim_m).all(), f"{err_msg} m differs by {float(dm.max()):.4g} (R14, tolerance {tol.lse:.3g})"
     dl = np.abs(l[live] - ref_l[live]) / ref_l[live]
-    assert (dl <= tol.out).all(), f"{err_msg} l differs by {float(dl.max()):.4g} relative (R14, tolerance {tol.out:.3g})"
+    assert (dl <= tol.out).all(), (
+        f"{err_msg} l differs by {float(dl.max()):.4g} relative (R14, tolerance {tol.out:.3g})")
     vscale = max(1.0, float(np.abs(ref_o[live] / ref_l[live][..., None]).max()))
     do = np.abs(o[live] - ref_o[live]) / ref_l[live][..., None]
     assert (do <= tol.out * vscale).all(), (

@@ -13,7 +13,7 @@ From Python (the ``paged-sparse-attn check`` command calls this)::
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["run_conformance", "pytest_args", "plugin_args", "SUITE"]
 

@@ -127,11 +127,11 @@ class AttentionProblem:
         """Every argument of ``forward`` / ``dense_reference`` by keyword."""
         return {name: getattr(self, name) for name in FORWARD_ARGS}
 
-    def replace(self, **changes: Any) -> "AttentionProblem":
+    def replace(self, **changes: Any) -> AttentionProblem:
         """A copy with some fields replaced (arrays are not copied)."""
         return dataclasses.replace(self, **changes)
 
-    def copy(self) -> "AttentionProblem":
+    def copy(self) -> AttentionProblem:
         """A deep copy (writable arrays), e.g. to poison a cache."""
         return self.replace(**{n: np.array(getattr(self, n)) for n in
                                ("q", "k_cache", "v_cache", "block_tables", "selected", "cu_seqlens_q")},

@@ -20,7 +20,8 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from hypothesis import strategies as st
