@@ -23,6 +23,8 @@
 //
 // Empty representation: an element with l == 0 is skipped (never multiplied by 0); a
 // destination with no non-empty element gets o = 0, l = 0. No infinity is written or compared.
+// An element whose l is NaN (NaN or Inf in the data it attended) is not empty: it makes its
+// destination NaN, as in the reference, instead of being dropped.
 //
 // Override constants: D head dim, WG workgroup size.
 
@@ -65,7 +67,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var seen = false;
     for (var i = start; i < end; i++) {
         let ml = src_ml[plan[params.elem_off + i] * params.group_size + sub];
-        if (ml.y > 0.0) {
+        if (!(ml.y == 0.0)) {  // not `ml.y != 0.0`: that compiles to an ordered compare, false for NaN
             m_max = select(ml.x, max(m_max, ml.x), seen);
             seen = true;
         }
@@ -76,7 +78,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         for (var i = start; i < end; i++) {
             let e = plan[params.elem_off + i] * params.group_size + sub;
             let ml = src_ml[e];
-            if (ml.y > 0.0) {
+            if (!(ml.y == 0.0)) {  // not `ml.y != 0.0`: that compiles to an ordered compare, false for NaN
                 let w = exp(ml.x - m_max);
                 l += w * ml.y;
                 o += w * src_o[e * D + d];

@@ -148,6 +148,11 @@ class WgpuArray(DeviceArray):
     def released(self) -> bool:
         return self._buffers is None
 
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the array's buffers hold (0 once released)."""
+        return sum(int(b.size) for b in self._buffers) if self._buffers is not None else 0
+
     def buffers(self) -> list:
         """The chunk buffers; raises DeviceError if released or if the device was replaced."""
         if self._buffers is None:
@@ -166,8 +171,12 @@ class WgpuArray(DeviceArray):
         self.backend._write_pages(self, page_ids, pages)
 
     def release(self) -> None:
-        """Free the device memory now (also happens when the array is garbage collected)."""
-        bufs, self._buffers = self._buffers, None
+        """Free the device memory now (also happens when the array is garbage collected).
+
+        Waits for a call of the backend in progress on another thread (it may be reading it).
+        """
+        with self.backend._lock:
+            bufs, self._buffers = self._buffers, None
         for b in bufs or ():
             try:
                 b.destroy()

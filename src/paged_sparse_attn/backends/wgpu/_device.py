@@ -74,8 +74,10 @@ REPORTED_LIMITS = (
     "min-storage-buffer-offset-alignment",
 )
 
-# Features the backend uses when the adapter has them.
-WANTED_FEATURES = ("shader-f16",)
+# Features the backend uses when the adapter has them. timestamp-query is always requested (it
+# costs nothing until a query set is written; profiling and copy_bandwidth need it); subgroup
+# enables the subgroup reductions of the decode kernel (a workgroup-memory fallback exists).
+WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
 
 
 @dataclass
@@ -98,6 +100,8 @@ class DeviceContext:
     pipelines: dict = field(default_factory=dict)
     layouts: dict = field(default_factory=dict)
     scratch: tuple | None = None  # partials scratch buffers (o, ml), reused across calls
+    pool: dict = field(default_factory=dict)  # per-call buffers by role, reused and grown
+    bind_groups: dict = field(default_factory=dict)  # bind groups by (layout, resources)
 
 
 def request_adapter(power_preference: str = "high-performance"):
@@ -157,7 +161,7 @@ def open_device(
         req.update({str(k).replace("_", "-"): int(v) for k, v in dict(required_limits).items()})
     disabled = {f.replace("_", "-") for f in disable_features}
     afeats = {str(f) for f in adapter.features}
-    wanted = WANTED_FEATURES + (("timestamp-query",) if timestamps else ())
+    wanted = WANTED_FEATURES
     feats = [f for f in wanted if f in afeats and f not in disabled]
     try:
         device = adapter.request_device_sync(required_features=feats, required_limits=req)

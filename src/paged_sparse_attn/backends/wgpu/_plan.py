@@ -373,8 +373,11 @@ def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lro
 
 
 def _batches(costs: list[np.ndarray], caps: list[int], names: list[str], what: str,
-             binding: int) -> list[tuple[int, int]]:
-    """Greedy split of units 0..n-1 into ranges whose summed costs stay within the caps."""
+             binding: int, unit_bytes: list[int]) -> list[tuple[int, int]]:
+    """Greedy split of units 0..n-1 into ranges whose summed costs stay within the caps.
+
+    ``unit_bytes[i]`` is the size of one unit of ``costs[i]`` (for the message of a refusal).
+    """
     n = costs[0].shape[0]
     cums = [_excl_cumsum(c) for c in costs]
     out = []
@@ -384,12 +387,12 @@ def _batches(costs: list[np.ndarray], caps: list[int], names: list[str], what: s
         for cum, cap in zip(cums, caps):
             b = min(b, int(np.searchsorted(cum, cum[a] + cap, side="right")) - 1)
         if b <= a:
-            over = [f"{int(c[a])} {nm} (at most {cap} fit)" for c, cap, nm in zip(costs, caps, names)
-                    if c[a] > cap]
+            over = [f"{int(c[a])} {nm} = {int(c[a]) * ub} bytes (at most {cap * ub} bytes fit)"
+                    for c, cap, nm, ub in zip(costs, caps, names, unit_bytes) if c[a] > cap]
             raise UnsupportedError(
                 f"backend 'wgpu': {what} {a} alone needs {', '.join(over)} in one storage binding of "
-                f"{binding} bytes; lower topk, or use a device (or max_binding_size) with larger "
-                "bindings [R18]")
+                f"{binding} bytes; nothing was allocated. Lower topk, or use a device (or "
+                "max_binding_size) with larger bindings [R18]")
         out.append((a, b))
         a = b
     return out
@@ -431,7 +434,8 @@ def plan_forward(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) -
     ranges = _batches(
         [per_row_prows, per_row_plan, per_row_prows + geom.G + 1, ones],
         [cap_prows, cap_words, cap_words, cap_qrows],
-        ["partial rows", "plan words", "merge words", "query rows"], "(query, KV head) row", binding)
+        ["partial rows", "plan words", "merge words", "query rows"], "(query, KV head) row", binding,
+        [4 * geom.D, 4, 4, 4 * geom.G * geom.D])
     plans = []
     for r0, r1 in ranges:
         sl_edges = idx.row_edges[row_ptr[r0]:row_ptr[r1]].astype(np.int64)  # by row, rank order
@@ -468,7 +472,8 @@ def plan_partials(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) 
     g1 = np.full(E, geom.G, dtype=np.int64)
     ranges = _batches([eprows, eplan, eprows + g1 + 1, np.ones(E, dtype=np.int64)],
                       [cap_prows, cap_words, cap_words, min(cap_qrows, cap_prows // geom.G)],
-                      ["partial rows", "plan words", "merge words", "query rows"], "edge", binding)
+                      ["partial rows", "plan words", "merge words", "query rows"], "edge", binding,
+                      [4 * geom.D, 4, 4, 4 * geom.G * geom.D])
     plans = []
     for e0, e1 in ranges:
         eids = eall[e0:e1]

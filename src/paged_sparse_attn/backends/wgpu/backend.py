@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, ClassVar
 
 import numpy as np
@@ -55,6 +56,18 @@ def _u32_record(*vals) -> np.ndarray:
     return rec
 
 
+def _alloc(nbytes: int) -> int:
+    """Bytes of a buffer made for ``nbytes`` of data (at least 16, a multiple of 4)."""
+    nbytes = int(nbytes)
+    return max(16, nbytes + (-nbytes) % 4)
+
+
+def _layout_bytes(layout: CacheLayout) -> int:
+    """Device bytes of one cache (K or V) in ``layout``, as :func:`upload_slabs` allocates it."""
+    n = np.diff(layout.chunk_starts.astype(np.int64))
+    return int(np.maximum(16, n * layout.slab_bytes).sum())
+
+
 class WgpuBackend(Backend):
     """KV-outer sparse attention in WGSL through wgpu (Vulkan, Metal, D3D12; lavapipe on CPUs).
 
@@ -79,8 +92,17 @@ class WgpuBackend(Backend):
     timestamps : bool
         Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
         feature; ignored without it).
+    max_device_bytes : int, optional
+        Device memory this backend may hold at once: resident caches, the reused scratch and
+        the buffers of the call in progress. A call or upload that would exceed it is refused
+        with :class:`~paged_sparse_attn.UnsupportedError` before anything is allocated. Default:
+        no limit of its own (WebGPU does not report free device memory; an allocation the
+        device cannot make raises :class:`~paged_sparse_attn.DeviceError`).
 
-    Thread safety: calls on one instance are serialised by a lock.
+    Thread safety: every call on one instance (forward, uploads, page updates, readbacks, release
+    of resident arrays, close) holds the instance's lock, so one instance may be shared by threads;
+    their calls run one at a time on the device. :attr:`last_timings` is that of the last call of
+    any thread.
     """
 
     name: ClassVar[str] = "wgpu"
@@ -89,13 +111,17 @@ class WgpuBackend(Backend):
     def __init__(self, *, power_preference: str = "high-performance", required_limits: Any = "adapter",
                  max_binding_size: int | None = None, max_workgroups_per_dim: int | None = None,
                  disable_features: tuple[str, ...] = (), workgroup_size: int | None = None,
-                 timestamps: bool = False):
+                 timestamps: bool = False, max_device_bytes: int | None = None):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"WgpuBackend(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
         self._opts = dict(power_preference=power_preference, required_limits=required_limits,
                           max_binding_size=max_binding_size, max_workgroups_per_dim=max_workgroups_per_dim,
                           disable_features=tuple(disable_features), timestamps=bool(timestamps))
+        if max_device_bytes is not None and int(max_device_bytes) < 1:
+            raise ValueError(f"WgpuBackend(): max_device_bytes must be >= 1, got {max_device_bytes}")
+        self._max_bytes = None if max_device_bytes is None else int(max_device_bytes)
+        self._resident: weakref.WeakSet = weakref.WeakSet()  # live WgpuArrays (memory accounting)
         self._lock = threading.RLock()
         self._generation = 0
         self._ctx: DeviceContext | None = None
@@ -143,9 +169,10 @@ class WgpuBackend(Backend):
         self._caps = None
 
     def _device(self) -> DeviceContext:
-        if self._ctx is None:
-            self._open()
-        return self._ctx
+        with self._lock:  # one device per instance, also when threads race after a loss
+            if self._ctx is None:
+                self._open()
+            return self._ctx
 
     def close(self) -> None:
         """Release the device; resident arrays of this backend become unusable."""
@@ -165,6 +192,10 @@ class WgpuBackend(Backend):
 
     @property
     def capabilities(self) -> Capabilities:
+        with self._lock:
+            return self._capabilities()
+
+    def _capabilities(self) -> Capabilities:
         if self._caps is None:
             ctx = self._device()
             f16 = "shader-f16" in ctx.features
@@ -250,18 +281,29 @@ class WgpuBackend(Backend):
                             f"{k.shape} {k.dtype.name} and {v.shape} {v.dtype.name} [R1]", "R1")
         self._check_cache_dtype(k.dtype, fn)
         with self._lock:
-            ctx = self._device()
-            layout = CacheLayout.make(k.shape, k.dtype, ctx.binding_size)
-            kb = upload_slabs(ctx.device, k, layout, "k_cache")
-            try:
-                vb = upload_slabs(ctx.device, v, layout, "v_cache")
-            except BaseException:
-                for b in kb:
-                    b.destroy()
-                raise
-            ka = WgpuArray(self, layout, kb, self._generation, "k_cache")
-            va = WgpuArray(self, layout, vb, self._generation, "v_cache")
-            return ka, va
+            for attempt in (0, 1):
+                try:
+                    return self._upload_locked(k, v, fn)
+                except DeviceError:
+                    if attempt or not self._device_lost():
+                        raise
+                    self.close()  # the device was lost: upload to a new one
+
+    def _upload_locked(self, k: np.ndarray, v: np.ndarray, fn: str) -> tuple[WgpuArray, WgpuArray]:
+        ctx = self._device()
+        layout = CacheLayout.make(k.shape, k.dtype, ctx.binding_size)
+        self._check_budget(fn, {"k_cache and v_cache": 2 * _layout_bytes(layout)})
+        kb = upload_slabs(ctx.device, k, layout, "k_cache")
+        try:
+            vb = upload_slabs(ctx.device, v, layout, "v_cache")
+        except BaseException:
+            for b in kb:
+                b.destroy()
+            raise
+        ka = WgpuArray(self, layout, kb, self._generation, "k_cache")
+        va = WgpuArray(self, layout, vb, self._generation, "v_cache")
+        self._resident.update((ka, va))
+        return ka, va
 
     def update_pages(self, k_dev: WgpuArray, v_dev: WgpuArray, page_ids, k_pages, v_pages) -> None:
         """Overwrite whole pages of resident caches (e.g. after appending tokens in a decode loop).
@@ -284,6 +326,10 @@ class WgpuBackend(Backend):
             raise UnsupportedError(f"{fn}(): expected a WgpuArray of this backend, got {arr!r} [R18]")
 
     def _write_pages(self, arr: WgpuArray, page_ids, pages) -> None:
+        with self._lock:
+            self._write_pages_locked(arr, page_ids, pages)
+
+    def _write_pages_locked(self, arr: WgpuArray, page_ids, pages) -> None:
         fn = "update_pages"
         self._own(arr, fn)
         P, Hkv, S, D = arr.shape
@@ -334,34 +380,94 @@ class WgpuBackend(Backend):
 
     # --- the forward pipeline ----------------------------------------------------------------------
 
-    def _cache_buffers(self, problem: Problem, view: IndexView):
-        """(k chunk buffers, v chunk buffers, layout, temporaries to free after the call)."""
+    def _cache_layout(self, problem: Problem, view: IndexView, fn: str) -> tuple[CacheLayout, str]:
+        """Where the caches of a call live, decided without allocating anything.
+
+        Returns the layout and what must be uploaded: ``"none"`` (both resident), ``"k"`` or
+        ``"v"`` (that host side, in the resident side's full layout) or ``"both"`` (host caches:
+        only the slabs this problem reads, compactly numbered).
+        """
         k, v = problem.k_cache, problem.v_cache
         ctx = self._device()
         dev = [a for a in (k, v) if isinstance(a, DeviceArray)]
         for a in dev:
-            self._own(a, "forward")
-        self._check_cache_dtype(problem.cache_dtype, "forward")
+            self._own(a, fn)
+            a.buffers()  # raises now if released or from a lost device
+        self._check_cache_dtype(problem.cache_dtype, fn)
         if len(dev) == 2:
             if not k.layout.same_as(v.layout):
-                raise UnsupportedError("forward(): k_cache and v_cache were uploaded with different layouts [R18]")
-            return k.buffers(), v.buffers(), k.layout, []
+                raise UnsupportedError(f"{fn}(): k_cache and v_cache were uploaded with different layouts [R18]")
+            return k.layout, "none"
         if len(dev) == 1:  # one side resident: upload the other with the same (full) layout
-            lay = dev[0].layout
-            host = v if dev[0] is k else k
-            tmp = upload_slabs(ctx.device, np.asarray(host), lay, "cache")
-            kb, vb = (k.buffers(), tmp) if dev[0] is k else (tmp, v.buffers())
-            return kb, vb, lay, tmp
-        # host caches: upload only the slabs this problem reads (compact numbering)
-        lay = CacheLayout.make(k.shape, k.dtype, ctx.binding_size, slab_ids=view.needed_slabs())
-        kb = upload_slabs(ctx.device, k, lay, "k_cache")
+            return dev[0].layout, ("v" if dev[0] is k else "k")
+        return CacheLayout.make(k.shape, k.dtype, ctx.binding_size, slab_ids=view.needed_slabs()), "both"
+
+    def _cache_upload(self, problem: Problem, layout: CacheLayout, upload: str):
+        """(k chunk buffers, v chunk buffers, temporaries to free after the call)."""
+        k, v = problem.k_cache, problem.v_cache
+        dev = self._device().device
+        if upload == "none":
+            return k.buffers(), v.buffers(), []
+        if upload == "k":
+            tmp = upload_slabs(dev, np.asarray(k), layout, "k_cache")
+            return tmp, v.buffers(), tmp
+        if upload == "v":
+            tmp = upload_slabs(dev, np.asarray(v), layout, "v_cache")
+            return k.buffers(), tmp, tmp
+        kb = upload_slabs(dev, k, layout, "k_cache")
         try:
-            vb = upload_slabs(ctx.device, v, lay, "v_cache")
+            vb = upload_slabs(dev, v, layout, "v_cache")
         except BaseException:
             for b in kb:
                 b.destroy()
             raise
-        return kb, vb, lay, kb + vb
+        return kb, vb, kb + vb
+
+    # --- device memory accounting (max_device_bytes) ------------------------------------------------
+
+    def _held_bytes(self) -> int:
+        """Device bytes held between calls: live resident arrays of this device and the scratch."""
+        held = sum(a.device_bytes for a in list(self._resident)
+                   if not a.released and a._generation == self._generation)
+        sc = self._ctx.scratch if self._ctx is not None else None
+        return held + (sum(int(b.size) for b in sc) if sc else 0)
+
+    def _check_budget(self, fn: str, need: dict) -> None:
+        """Refuse (R18) before allocating if ``need`` (bytes by purpose) exceeds max_device_bytes."""
+        if self._max_bytes is None:
+            return
+        held = self._held_bytes()
+        total = sum(need.values())
+        if held + total > self._max_bytes:
+            parts = ", ".join(f"{k} {v}" for k, v in need.items() if v)
+            raise UnsupportedError(
+                f"{fn}(): backend 'wgpu' needs {total} bytes of device memory ({parts}), "
+                f"{max(0, self._max_bytes - held)} bytes are available (max_device_bytes={self._max_bytes}, "
+                f"{held} held by resident caches and scratch); nothing was allocated. Use fewer queries or "
+                "sequences per call, release resident caches, or raise max_device_bytes [R18]")
+
+    def _call_bytes(self, ctx: DeviceContext, plans: list[BatchPlan], geom: Geometry) -> dict:
+        """Device bytes :meth:`_execute` allocates for ``plans`` (mirrors its buffers)."""
+        D, G = geom.D, geom.G
+        maxdim = ctx.workgroups_per_dim
+        work = 0
+        for bp in plans:
+            nq = (bp.q_rows.stop - bp.q_rows.start) if isinstance(bp.q_rows, slice) else len(bp.q_rows)
+            records = sum(-(-count // (maxdim * maxdim)) for _, _, count in bp.dispatches)
+            if bp.merge_words is not None:
+                per = max(1, min(maxdim * maxdim * MERGE_WG // D, (1 << 30) // D))
+                records += -(-bp.n_dest // per)
+                work += _alloc(bp.merge_words.nbytes)
+            work += (_alloc(nq * G * D * 4) + _alloc(bp.plan_words.nbytes) + _alloc(records * ctx.uniform_align)
+                     + 2 * (_alloc(bp.n_dest * D * 4) + _alloc(bp.n_dest * 8)))  # outputs and readbacks
+        rows = max([p.n_prows for p in plans if not p.identity] or [0])
+        have = ctx.scratch
+        grow = 0
+        if rows and (have is None or have[0].size < rows * D * 4 or have[1].size < rows * 8):
+            grow = max(16, rows * D * 4) + max(16, rows * 8) - (sum(int(b.size) for b in have) if have else 0)
+        return {"call buffers": work, "scratch growth": max(0, grow)}
+
+    # --- the forward pipeline ----------------------------------------------------------------------
 
     def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
         Hkv = index.num_kv_heads
@@ -373,7 +479,8 @@ class WgpuBackend(Backend):
         if E:
             self._run(problem, index, "partials", o, ml)
         l = ml[:, 1].copy()  # noqa: E741
-        m = np.where(l > 0, ml[:, 0], np.float32(-np.inf)).astype(np.float32)
+        # l == 0: attended nothing; a NaN l (NaN/Inf in attended data) stays NaN (R14)
+        m = np.where(l != 0, ml[:, 0], np.float32(-np.inf)).astype(np.float32)
         return Partials(o.reshape(E, G, D), m.reshape(E, G), l.reshape(E, G))
 
     def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
@@ -383,20 +490,40 @@ class WgpuBackend(Backend):
         if index.num_edges:
             self._run(problem, index, "forward", o, ml)
         l = ml[:, 1].astype(np.float64)  # noqa: E741
-        with np.errstate(divide="ignore"):
-            lse = np.where(l > 0, ml[:, 0].astype(np.float64) + np.log(np.where(l > 0, l, 1.0)), -np.inf)
+        with np.errstate(divide="ignore", invalid="ignore"):  # NaN l: NaN lse, like the reference
+            lse = np.where(l != 0, ml[:, 0].astype(np.float64) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
         return o.reshape(Tq, Hq, D), lse.astype(np.float32).reshape(Tq, Hq)
+
+    def _device_lost(self) -> bool:
+        """Whether the current device is lost (then even a 16-byte allocation fails)."""
+        import wgpu
+
+        ctx = self._ctx
+        if ctx is None:
+            return False
+        try:
+            ctx.device.create_buffer(size=16, usage=wgpu.BufferUsage.STORAGE, label="probe").destroy()
+        except Exception:
+            return True
+        return False
 
     def _run(self, problem: Problem, index: KVOuterIndex, mode: str, o: np.ndarray, ml: np.ndarray) -> None:
         with self._lock:
-            try:
-                self._run_locked(problem, index, mode, o, ml)
-            except DeviceError as exc:
-                if "lost" in str(exc).lower():
-                    self.close()  # the next call opens a new device
-                raise
+            resident = any(isinstance(a, DeviceArray) for a in (problem.k_cache, problem.v_cache))
+            for attempt in (0, 1):
+                try:
+                    self._run_locked(problem, index, mode, o, ml)
+                    return
+                except DeviceError:
+                    if not self._device_lost():
+                        raise
+                    self.close()  # a new device is opened on the next use
+                    if attempt or resident:  # resident caches died with the device: the caller re-uploads
+                        raise
+                    # host inputs only: nothing was lost but the device; run again on a new one
 
     def _run_locked(self, problem, index, mode, o, ml) -> None:
+        fn = "forward" if mode == "forward" else "forward_partials"
         t0 = time.perf_counter()
         self.last_timings = timings = {}
         ctx = self._device()
@@ -404,19 +531,23 @@ class WgpuBackend(Backend):
         Hkv = index.num_kv_heads
         G = Hq // Hkv
         view = IndexView(index, G)
-        kbufs, vbufs, layout, temps = self._cache_buffers(problem, view)
+        layout, upload = self._cache_layout(problem, view, fn)
+        t1 = time.perf_counter()
+        # plan everything and check the memory it needs before allocating anything
+        geom = choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
+                               rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=layout.itemsize,
+                               wg_size=self._wg, wg_storage=ctx.workgroup_storage, **self._tune)
+        plans = (plan_forward if mode == "forward" else plan_partials)(view, geom, layout.slab_map(), ctx.binding_size)
+        upload_bytes = {"none": 0, "k": 1, "v": 1, "both": 2}[upload] * _layout_bytes(layout)
+        self._check_budget(fn, {"cache upload": upload_bytes, **self._call_bytes(ctx, plans, geom)})
+        t2 = time.perf_counter()
+        kbufs, vbufs, temps = self._cache_upload(problem, layout, upload)
         try:
-            geom = choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
-                                   rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=layout.itemsize,
-                                   wg_size=self._wg, wg_storage=ctx.workgroup_storage, **self._tune)
-            smap = layout.slab_map()
-            t1 = time.perf_counter()
-            plans = (plan_forward if mode == "forward" else plan_partials)(view, geom, smap, ctx.binding_size)
-            t2 = time.perf_counter()
+            t3 = time.perf_counter()
             q_rows = problem.q.reshape(Tq * Hkv, G * D)
             self._execute(ctx, plans, q_rows, geom, layout, kbufs, vbufs, float(problem.softmax_scale),
                           normalize=(mode == "forward"), o=o, ml=ml, timings=timings)
-            timings.update(cache_s=t1 - t0, plan_s=t2 - t1, total_s=time.perf_counter() - t0,
+            timings.update(cache_s=(t1 - t0) + (t3 - t2), plan_s=t2 - t1, total_s=time.perf_counter() - t0,
                            batches=len(plans), chunks=layout.n_chunks, geometry=geom)
         finally:
             for b in temps:
@@ -471,7 +602,8 @@ class WgpuBackend(Backend):
         S_ = wgpu.BufferUsage.STORAGE
         t_enc = time.perf_counter()
         try:
-            with device_errors("wgpu forward", **sizes):
+            what = f"{'forward' if normalize else 'forward_partials'} ({PARTIALS}, {MERGE})"
+            with device_errors(what, **sizes):
                 pipe_p, bgl_p = self._pipeline(PARTIALS, f16, geom.constants())
                 pipe_m, bgl_m = self._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])

@@ -1,0 +1,235 @@
+// psa_select_topk.wgsl — exp-free top-k of the index branch (R24): one workgroup per row (t, h).
+//
+// Ranking uses integers only. Every score (float32 bits, uploaded as u32) gets a rank key:
+// 0 for NaN (a bit test), -inf and the row's local block (never candidates), else the
+// order-preserving u32 of the float with -0 canonicalised to +0. A candidate's composite value is
+// (key, msb - 1 - id): larger is better, and two candidates never compare equal, so "descending
+// score, ties to the lower id" is a strict total order that any algorithm reproduces exactly.
+//
+// Per row, with n = min(slots left after the local block, candidates):
+//   1. count the candidates;
+//   2. if n < count: radix-select the n-th best composite, 8 bits at a time (4 passes over the
+//      key, lo_passes over the id part), histograms in workgroup memory (atomic counts are
+//      order-independent, so the result is deterministic, R19);
+//      the chosen set is then {composite >= threshold}, exactly n candidates;
+//   3. the rank of a chosen candidate = the number of candidates better than it (all of them
+//      chosen): counted within workgroup memory when n <= CAP (compacted there), else by a scan
+//      of the row; the candidate is written to slot (local ? 1 : 0) + rank;
+//   4. slot 0 = the local block (if any), slots past the chosen ones = -1.
+//
+// Bindings (group 0)
+//   0 params  uniform              Params (below; one 32-byte record per dispatch)
+//   1 scores  storage, read        u32 [n_rows, msb]  float32 bits of the batch's block scores;
+//                                  row = t_local * Hkv + h
+//   2 local   storage, read        i32 [n_q]  local block of each of the batch's queries, -1 = none
+//   3 out     storage, read_write  i32 [n_rows, k_out]  k_out = min(topk, msb) slots per row (the
+//                                  host pads the rest of topk with -1)
+//
+// Override constants
+//   WG   workgroup size (a power of two <= 256)
+//   CAP  chosen candidates ranked in workgroup memory (8 bytes each)
+
+override WG: u32 = 64u;
+override CAP: u32 = 1024u;
+
+struct Params {
+    row_base: u32,   // first row of this dispatch
+    n_rows: u32,     // rows in this dispatch
+    grid_x: u32,     // workgroups along x (the grid is 2-D: row = y * grid_x + x)
+    msb: u32,        // scores per row
+    k_out: u32,      // slots written per row
+    heads: u32,      // Hkv: row r belongs to query r / Hkv
+    lo_passes: u32,  // 8-bit radix passes over the id part: ceil(bit_length(msb - 1) / 8)
+    _pad0: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> scores: array<u32>;
+@group(0) @binding(2) var<storage, read> local_block: array<i32>;
+@group(0) @binding(3) var<storage, read_write> out: array<i32>;
+
+var<workgroup> hist: array<atomic<u32>, 256>;
+var<workgroup> grp: array<u32, 64>;  // sums of 4 consecutive bins
+var<workgroup> n_cand: atomic<u32>;
+var<workgroup> n_fill: atomic<u32>;
+var<workgroup> bcast_cnt: u32;
+var<workgroup> bcast_digit: u32;
+var<workgroup> rem: u32;  // rank still to find within the current prefix (thread 0 only)
+var<workgroup> c_key: array<u32, CAP>;
+var<workgroup> c_id: array<u32, CAP>;
+
+// Rank key of a float32 score (bits): 0 = never a candidate (NaN, -inf).
+fn score_key(b: u32) -> u32 {
+    let mag = b & 0x7fffffffu;
+    if (mag > 0x7f800000u || b == 0xff800000u) {
+        return 0u;
+    }
+    if (mag == 0u) {
+        return 0x80000000u;  // -0 == +0
+    }
+    if ((b & 0x80000000u) != 0u) {
+        return ~b;
+    }
+    return b | 0x80000000u;
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let wi = wid.y * params.grid_x + wid.x;
+    if (wi >= params.n_rows) {
+        return;
+    }
+    let row = params.row_base + wi;
+    let msb = params.msb;
+    let base = row * msb;
+    let obase = row * params.k_out;
+    let local = local_block[row / params.heads];
+    let has_local = local >= 0;
+    let lb = select(INVALID_ID, u32(local), has_local);
+    let slot0 = select(0u, 1u, has_local);
+    let kk = params.k_out - slot0;
+
+    if (lid == 0u) {
+        atomicStore(&n_cand, 0u);
+        atomicStore(&n_fill, 0u);
+    }
+    workgroupBarrier();
+
+    // 1. candidates
+    var mine = 0u;
+    for (var j = lid; j < msb; j += WG) {
+        if (j != lb && score_key(scores[base + j]) != 0u) {
+            mine += 1u;
+        }
+    }
+    atomicAdd(&n_cand, mine);
+    workgroupBarrier();
+    if (lid == 0u) {
+        bcast_cnt = atomicLoad(&n_cand);
+    }
+    let cnt = workgroupUniformLoad(&bcast_cnt);
+    let n = min(kk, cnt);
+
+    // 2. threshold: the n-th best composite (hi = key, lo = msb - 1 - id)
+    var phi = 0u;
+    var plo = 0u;
+    if (n > 0u && n < cnt) {
+        var mhi = 0u;
+        var mlo = 0u;
+        if (lid == 0u) {
+            rem = n;
+        }
+        let npass = 4u + params.lo_passes;
+        for (var ps = 0u; ps < npass; ps++) {
+            for (var b = lid; b < 256u; b += WG) {
+                atomicStore(&hist[b], 0u);
+            }
+            workgroupBarrier();
+            let is_hi = ps < 4u;
+            var shift = 0u;
+            if (is_hi) {
+                shift = 24u - 8u * ps;
+            } else {
+                shift = 8u * (params.lo_passes - 1u - (ps - 4u));
+            }
+            for (var j = lid; j < msb; j += WG) {
+                let key = select(score_key(scores[base + j]), 0u, j == lb);
+                let lo = msb - 1u - j;
+                if (key != 0u && (key & mhi) == phi && (lo & mlo) == plo) {
+                    let dg = select((lo >> shift) & 255u, (key >> shift) & 255u, is_hi);
+                    atomicAdd(&hist[dg], 1u);
+                }
+            }
+            workgroupBarrier();
+            for (var g = lid; g < 64u; g += WG) {
+                grp[g] = atomicLoad(&hist[4u * g]) + atomicLoad(&hist[4u * g + 1u])
+                       + atomicLoad(&hist[4u * g + 2u]) + atomicLoad(&hist[4u * g + 3u]);
+            }
+            workgroupBarrier();
+            if (lid == 0u) {
+                // walk the bins from the top until the rank `rem` is reached
+                var cum = 0u;
+                var gsel = 0u;
+                for (var gi = 0u; gi < 64u; gi++) {
+                    let g = 63u - gi;
+                    if (cum + grp[g] >= rem) {
+                        gsel = g;
+                        break;
+                    }
+                    cum += grp[g];
+                }
+                var dsel = 4u * gsel;
+                for (var bi = 0u; bi < 4u; bi++) {
+                    let b = 4u * gsel + 3u - bi;
+                    let c = atomicLoad(&hist[b]);
+                    if (cum + c >= rem) {
+                        dsel = b;
+                        break;
+                    }
+                    cum += c;
+                }
+                rem = rem - cum;
+                bcast_digit = dsel;
+            }
+            let d = workgroupUniformLoad(&bcast_digit);
+            if (is_hi) {
+                phi |= d << shift;
+                mhi |= 255u << shift;
+            } else {
+                plo |= d << shift;
+                mlo |= 255u << shift;
+            }
+        }
+    }
+
+    // 3. rank the chosen candidates: composite >= (phi, plo)
+    if (n > 0u && n <= CAP) {
+        for (var j = lid; j < msb; j += WG) {
+            let key = select(score_key(scores[base + j]), 0u, j == lb);
+            let lo = msb - 1u - j;
+            if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
+                let x = atomicAdd(&n_fill, 1u);  // fill order is free: the rank below is not
+                c_key[x] = key;
+                c_id[x] = j;
+            }
+        }
+        workgroupBarrier();
+        for (var x = lid; x < n; x += WG) {
+            let ki = c_key[x];
+            let ii = c_id[x];
+            var rank = 0u;
+            for (var m = 0u; m < n; m++) {
+                let km = c_key[m];
+                if (km > ki || (km == ki && c_id[m] < ii)) {
+                    rank += 1u;
+                }
+            }
+            out[obase + slot0 + rank] = i32(ii);
+        }
+    } else if (n > CAP) {
+        for (var j = lid; j < msb; j += WG) {
+            let key = select(score_key(scores[base + j]), 0u, j == lb);
+            let lo = msb - 1u - j;
+            if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
+                var rank = 0u;
+                for (var m = 0u; m < msb; m++) {
+                    let km = select(score_key(scores[base + m]), 0u, m == lb);
+                    if (km > key || (km == key && m < j)) {
+                        rank += 1u;
+                    }
+                }
+                out[obase + slot0 + rank] = i32(j);
+            }
+        }
+    }
+
+    // 4. the local block and the padding
+    if (has_local && lid == 0u) {
+        out[obase] = local;
+    }
+    for (var x = slot0 + n + lid; x < params.k_out; x += WG) {
+        out[obase + x] = -1;
+    }
+}
+
+const INVALID_ID: u32 = 0xffffffffu;
