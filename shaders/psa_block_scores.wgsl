@@ -9,21 +9,22 @@
 // row's logits against it.
 //
 // The host splits the index key pool into binding-sized chunks; one dispatch binds one chunk
-// and runs the items whose block has a page in it: a page of another chunk is INVALID in that
-// chunk's page list and skipped. Items of different chunks for one (t, h, s) combine through
+// (device slabs [chunk_first, chunk_end)) and runs the items whose block has a page in it; a
+// page of another chunk is skipped. Items of different chunks for one (t, h, s) combine through
 // max into the output (dispatches of one pass are ordered), so chunking changes nothing.
 //
 // Bindings (group 0)
-//   0 params  uniform              Params (below; one 32-byte record per dispatch)
+//   0 params  uniform              Params (below; one 48-byte record per dispatch)
 //   1 iq      storage, read        vec4<f32> [n_q, Hkv, DV]  index queries of the batch (zero-padded
 //                                  to DV = ceil(d_idx / 4) vec4s per row)
 //   2 ik      storage, read        vec4<kv_t> [n_slabs_in_chunk, S, DV]  index keys of one chunk;
 //                                  a slab is one (page, index key head): S rows of DV vec4s
-//   3 pages   storage, read        u32 [n_chunks, B, msb, Hk_idx, ppb]  slab index within chunk c
-//                                  of each page of each block, or INVALID (unmapped, past L_b, or
-//                                  held by another chunk)
+//   3 pages   storage, read        u32 [B, msb, Hk_idx, ppb]  device slab of each page of each
+//                                  block (numbered across chunks), or INVALID (unmapped, or
+//                                  starting at or past L_b: never uploaded)
 //   4 plan    storage, read        u32: query_end of the batch's queries (i32 bits, exclusive end
 //                                  of the positions each may see), then work items at items_off
+//                                  (a batch's items may be spread over several plan buffers)
 //   5 out     storage, read_write  u32 [n_q, Hkv, msb]  the score of every (t, h, s) as a key:
 //                                  0 = nothing visible, 0xffffffff = NaN, else the order-preserving
 //                                  key of the float32 max (see logit_key); zero-initialised
@@ -38,10 +39,10 @@
 //   [6] npos    block positions to visit: min(BS, L_b - s BS, max query_end of the rows - s BS)
 //   [7] s       block id
 //
-// Masking (R10, R22): positions >= npos and INVALID pages are never read (their tile slots hold
-// zeros and are excluded by `select`, never multiplied away); a position is visible to a row iff
-// its page is readable and s BS + pos < query_end[t] (query_end already folds in L_b and the
-// causal limit).
+// Masking (R10, R22): positions >= npos, INVALID pages and pages of other chunks are never read
+// (their tile slots hold zeros and are excluded by `select`, never multiplied away); a position
+// is visible to a row iff its page is in the bound chunk and s BS + pos < query_end[t]
+// (query_end already folds in L_b and the causal limit).
 //
 // Empty and NaN representation: WGSL guarantees neither infinities nor NaN ordering in max, so a
 // row keeps the max of u32 keys. logit_key maps a float32 to an order-preserving u32 (bit test for
@@ -77,7 +78,11 @@ struct Params {
     heads: u32,      // Hkv
     msb: u32,        // blocks per row of out
     scale: f32,      // index scale
+    chunk_first: u32,  // device slabs [chunk_first, chunk_end) are in the bound ik chunk
+    chunk_end: u32,
     _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: Params;
@@ -118,7 +123,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let npos = plan[ib + 6u];
     let s = plan[ib + 7u];
 
-    let active = lid < n_rows;
+    let live = lid < n_rows;
     let r = r0 + min(lid, n_rows - 1u);
     let t = t0 + r / nh;
     let h = h_off + r % nh;
@@ -136,9 +141,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             var v = vec4<f32>(0.0);
             var ok = 0u;
             if (lpos < npos) {
-                let slab = pages[pg + lpos / S];
-                if (slab != INVALID) {
-                    v = vec4<f32>(ik[(slab * S + lpos % S) * DV + j]);
+                let slab = pages[pg + lpos / S];  // INVALID is >= every chunk_end
+                if (slab >= params.chunk_first && slab < params.chunk_end) {
+                    v = vec4<f32>(ik[((slab - params.chunk_first) * S + lpos % S) * DV + j]);
                     ok = 1u;
                 }
             }
@@ -148,7 +153,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
         workgroupBarrier();
-        if (active) {
+        if (live) {
             var acc: array<f32, TKMAX>;
             for (var p = 0u; p < TK; p++) {
                 acc[p] = 0.0;
@@ -178,7 +183,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
     }
-    if (active) {
+    if (live) {
         let o = (t * params.heads + h) * params.msb + s;
         out[o] = max(out[o], best);
     }

@@ -122,6 +122,40 @@ fn key_row(pages: u32, pos: u32) -> u32 {
     return slab * params.slab_stride + (pos % S) * TD;
 }
 
+struct KV {
+    k: vec4<kv_t>,
+    v: vec4<kv_t>,
+}
+
+// vec4 x of the tile (key x / TD, lane x % TD) from the cache, or zeros (past the tile, or an
+// unreadable page: never read).
+fn load_kv(x: u32, nk: u32, cur: u32) -> KV {
+    var r = KV(vec4<kv_t>(kv_t(0.0)), vec4<kv_t>(kv_t(0.0)));
+    if (x < nk * TD) {
+        let k = x / TD;
+        let row = key_src[cur + k];
+        if (row != INVALID) {
+            let j = x - k * TD;
+            r.k = k_cache[row + j];
+            r.v = v_cache[row + j];
+        }
+    }
+    return r;
+}
+
+fn store_kv(x: u32, nk: u32, r: KV) {
+    if (x < nk * TD) {
+        let k = x / TD;
+        let j = x - k * TD;
+        let kb = k * KS + 4u * j;
+        k_tile[kb] = r.k.x;
+        if (4u * j + 1u < D) { k_tile[kb + 1u] = r.k.y; }
+        if (4u * j + 2u < D) { k_tile[kb + 2u] = r.k.z; }
+        if (4u * j + 3u < D) { k_tile[kb + 3u] = r.k.w; }
+        v_tile[k * TD + j] = r.v;
+    }
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let item = wid.y * params.grid_x + wid.x;
@@ -181,26 +215,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let nk = min(TK, max_len - k0);
 
         // 1. Load the tile's K and V rows (vec4); keys on unreadable pages get zeros (not read).
+        //    Four K and four V loads per invocation are issued before any of them is stored, so
+        //    that eight loads are in flight per invocation (the phase is latency-bound otherwise).
         let cur = ((k0 / TK) & 1u) * TK;
-        for (var i = 0u; i < LD; i++) {
+        for (var i = 0u; i < LD; i += 4u) {
             let x = tid + i * WG;
-            if (x < nk * TD) {
-                let k = x / TD;
-                let j = x - k * TD;
-                let row = key_src[cur + k];
-                var kk = vec4<kv_t>(kv_t(0.0));
-                var vv = vec4<kv_t>(kv_t(0.0));
-                if (row != INVALID) {
-                    kk = k_cache[row + j];
-                    vv = v_cache[row + j];
-                }
-                let kb = k * KS + 4u * j;
-                k_tile[kb] = kk.x;
-                if (4u * j + 1u < D) { k_tile[kb + 1u] = kk.y; }
-                if (4u * j + 2u < D) { k_tile[kb + 2u] = kk.z; }
-                if (4u * j + 3u < D) { k_tile[kb + 3u] = kk.w; }
-                v_tile[k * TD + j] = vv;
-            }
+            let a = load_kv(x, nk, cur);
+            let b = load_kv(x + WG, nk, cur);
+            let c = load_kv(x + 2u * WG, nk, cur);
+            let d = load_kv(x + 3u * WG, nk, cur);
+            store_kv(x, nk, a);
+            store_kv(x + WG, nk, b);
+            store_kv(x + 2u * WG, nk, c);
+            store_kv(x + 3u * WG, nk, d);
         }
         workgroupBarrier();
 

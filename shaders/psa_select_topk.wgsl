@@ -18,7 +18,7 @@
 //   4. slot 0 = the local block (if any), slots past the chosen ones = -1.
 //
 // Bindings (group 0)
-//   0 params  uniform              Params (below; one 32-byte record per dispatch)
+//   0 params  uniform              Params (below; one record per dispatch)
 //   1 scores  storage, read        u32 [n_rows, msb]  float32 bits of the batch's block scores;
 //                                  row = t_local * Hkv + h
 //   2 local   storage, read        i32 [n_q]  local block of each of the batch's queries, -1 = none
@@ -26,11 +26,12 @@
 //                                  host pads the rest of topk with -1)
 //
 // Override constants
-//   WG   workgroup size (a power of two <= 256)
+//   WG   workgroup size
 //   CAP  chosen candidates ranked in workgroup memory (8 bytes each)
 
 override WG: u32 = 64u;
 override CAP: u32 = 1024u;
+const INVALID_ID: u32 = 0xffffffffu;  // no local block
 
 struct Params {
     row_base: u32,   // first row of this dispatch
@@ -231,5 +232,3 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         out[obase + x] = -1;
     }
 }
-
-const INVALID_ID: u32 = 0xffffffffu;

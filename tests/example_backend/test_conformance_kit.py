@@ -23,6 +23,7 @@ UNAVAILABLE = "example_backend.loop_backend:UnavailableBackend"
 
 def _env() -> dict:
     env = dict(os.environ)
+    env.pop("PYTEST_ADDOPTS", None)  # the outer run's backend options must not leak into the kit's runs
     pkg_root = str(Path(paged_sparse_attn.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS_DIR), pkg_root, env.get("PYTHONPATH")) if p)
     env.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())  # lavapipe warns without it

@@ -39,7 +39,8 @@ def _progress() -> tuple[Callable[[str], None], Callable[[], None]]:
 
 
 def run(suite: str = "cpu", *, quick: bool = False, backends: Sequence[str] | None = None,
-        repeat: int | None = None, progress: Callable[[str], None] | None = None) -> dict:
+        repeat: int | None = None, progress: Callable[[str], None] | None = None,
+        on_row: Callable[[dict], None] | None = None) -> dict:
     """Run a suite and return a JSON-ready dict (see the module docstring)."""
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), python=platform.python_version(),
                 machine=platform.machine(), suite=suite, quick=quick)
@@ -51,7 +52,8 @@ def run(suite: str = "cpu", *, quick: bool = False, backends: Sequence[str] | No
     elif suite == "gpu":
         from .gpu import run_gpu
 
-        res = run_gpu(quick=quick, backends=backends, repeat=repeat, progress=progress)
+        res = run_gpu(quick=quick, backends=backends, repeat=repeat, progress=progress,
+                      on_row=(lambda partial: on_row({**meta, **partial})) if on_row else None)
     else:
         raise ValueError(f"unknown suite {suite!r} (cpu, gpu)")
     return {**meta, **res}
@@ -86,8 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="PATH", help="draw a PNG plot (matplotlib)")
     a = ap.parse_args(argv)
     say, stop = _progress()
+
+    def save(partial: dict) -> None:  # after every row: a run cut short keeps what it measured
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(partial, f, indent=1)
+
     try:
-        result = run(a.suite, quick=a.quick, backends=a.backend, repeat=a.repeat, progress=say)
+        result = run(a.suite, quick=a.quick, backends=a.backend, repeat=a.repeat, progress=say, on_row=save)
     finally:
         stop()
     print(format_table(result))

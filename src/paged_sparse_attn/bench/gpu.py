@@ -79,7 +79,8 @@ def _device_backends(names: Sequence[str] | None) -> list:
 
 
 def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repeat: int | None = None,
-            progress: Callable[[str], None] | None = None, workloads: Sequence[Workload] | None = None) -> dict:
+            progress: Callable[[str], None] | None = None, workloads: Sequence[Workload] | None = None,
+            on_row: Callable[[dict], None] | None = None) -> dict:
     """Run the GPU suite; returns ``dict(device=..., copy_bandwidth=..., rows=[...])``."""
     say = progress or (lambda s: None)
     repeat = repeat or (2 if quick else 20)
@@ -144,7 +145,10 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
                         row[f"{be.name}_speedup_vs_{peer}"] = row[f"{peer}_s"] / row[f"{be.name}_s"]
             import torch
 
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         rows.append(row)
+        if on_row is not None:
+            on_row(dict(result, rows=rows))
     result["rows"] = rows
     return result

@@ -14,25 +14,38 @@ import numpy as np
 __all__ = ["torch_available", "cuda_time", "copy_bandwidth", "PEERS"]
 
 
+def _dev() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def torch_available() -> tuple[bool, str]:
-    """Whether torch with a CUDA device can be used for peers, and why not."""
+    """Whether torch can be used for peers (on CUDA when present, else on the CPU), and why not."""
     try:
         import torch  # noqa: F401
     except Exception as exc:  # pragma: no cover - depends on the machine
         return False, f"torch not importable ({exc.__class__.__name__})"
-    if not torch.cuda.is_available():
-        return False, "torch has no CUDA device"
-    return True, f"torch {torch.__version__} on {torch.cuda.get_device_name()}"
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return True, f"torch {torch.__version__} on {where}"
 
 
 def cuda_time(fn: Callable[[], Any], repeat: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` measured with CUDA events."""
+    """Median seconds of ``fn``: CUDA events on a GPU, wall time on the CPU."""
+    import time
+
     import torch
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     times = []
+    if _dev() == "cpu":
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+    torch.cuda.synchronize()
     for _ in range(repeat):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -47,7 +60,7 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10) -> float:
     """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     import torch
 
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=_dev())
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src), repeat)
     del src, dst
@@ -56,9 +69,9 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10) -> float:
 
 def _queries_dense(problem, torch, dtype):
     """Per sequence: q [1, Hq, T, D], full K/V [1, Hkv, L, D] (pages resolved), causal mask."""
-    q = torch.as_tensor(problem["q"], device="cuda").to(dtype)
-    kc = torch.as_tensor(problem["k_cache"], device="cuda").to(dtype)
-    vc = torch.as_tensor(problem["v_cache"], device="cuda").to(dtype)
+    q = torch.as_tensor(problem["q"], device=_dev()).to(dtype)
+    kc = torch.as_tensor(problem["k_cache"], device=_dev()).to(dtype)
+    vc = torch.as_tensor(problem["v_cache"], device=_dev()).to(dtype)
     bt = np.asarray(problem["block_tables"])
     cu = np.asarray(problem["cu_seqlens_q"])
     lens = np.asarray(problem["used_kv_lens"])
@@ -66,7 +79,7 @@ def _queries_dense(problem, torch, dtype):
     for b in range(bt.shape[0]):
         L = int(lens[b])
         S = kc.shape[2]
-        pages = torch.as_tensor(bt[b, : -(-L // S)], device="cuda", dtype=torch.long)
+        pages = torch.as_tensor(bt[b, : -(-L // S)], device=_dev(), dtype=torch.long)
         k = kc[pages].permute(1, 0, 2, 3).reshape(kc.shape[1], -1, kc.shape[3])[:, :L][None]
         v = vc[pages].permute(1, 0, 2, 3).reshape(vc.shape[1], -1, vc.shape[3])[:, :L][None]
         qb = q[cu[b]:cu[b + 1]].permute(1, 0, 2)[None]
@@ -89,8 +102,8 @@ def dense_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) ->
     q = torch.cat([s[0] for s in seqs]); k = torch.cat([s[1] for s in seqs]); v = torch.cat([s[2] for s in seqs])
     mask = None
     if problem["causal"] and T > 1:
-        i = torch.arange(T, device="cuda")[:, None]
-        p = torch.arange(L, device="cuda")[None, :]
+        i = torch.arange(T, device=_dev())[:, None]
+        p = torch.arange(L, device=_dev())[None, :]
         mask = p <= (L - T + i)
     return cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), repeat)
 
@@ -105,9 +118,9 @@ def gather_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -
     import torch.nn.functional as F
 
     dt = getattr(torch, dtype_name)
-    kc = torch.as_tensor(problem["k_cache"], device="cuda").to(dt)
-    vc = torch.as_tensor(problem["v_cache"], device="cuda").to(dt)
-    q = torch.as_tensor(problem["q"], device="cuda").to(dt)
+    kc = torch.as_tensor(problem["k_cache"], device=_dev()).to(dt)
+    vc = torch.as_tensor(problem["v_cache"], device=_dev()).to(dt)
+    q = torch.as_tensor(problem["q"], device=_dev()).to(dt)
     sel = np.asarray(problem["selected"])
     bt = np.asarray(problem["block_tables"])
     cu = np.asarray(problem["cu_seqlens_q"])
@@ -118,9 +131,9 @@ def gather_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -
     b = np.repeat(np.arange(bt.shape[0]), np.diff(cu))
     s = np.where(sel >= 0, sel, 0)
     pages = bt[b[:, None, None, None], s[..., None] * ppb + np.arange(ppb)]  # [Tq, Hkv, K, ppb]
-    pages = torch.as_tensor(np.where(pages >= 0, pages, 0), device="cuda", dtype=torch.long)
-    heads = torch.arange(Hkv, device="cuda")[None, :, None, None].expand_as(pages)
-    valid = torch.as_tensor(np.repeat((sel >= 0)[..., None], ppb * S, -1).reshape(Tq, Hkv, -1), device="cuda")
+    pages = torch.as_tensor(np.where(pages >= 0, pages, 0), device=_dev(), dtype=torch.long)
+    heads = torch.arange(Hkv, device=_dev())[None, :, None, None].expand_as(pages)
+    valid = torch.as_tensor(np.repeat((sel >= 0)[..., None], ppb * S, -1).reshape(Tq, Hkv, -1), device=_dev())
     G = q.shape[1] // Hkv
     qh = q.view(Tq, Hkv, G, D)
 
@@ -155,7 +168,7 @@ def flex_blockmask(problem: dict, dtype_name: str = "bfloat16", repeat: int = 10
     allow = np.zeros((B, T, Hkv, nblk), dtype=bool)
     b_, t_, h_, r_ = np.nonzero(sel >= 0)
     allow[b_, t_, h_, sel[b_, t_, h_, r_]] = True
-    allow_t = torch.as_tensor(allow, device="cuda")
+    allow_t = torch.as_tensor(allow, device=_dev())
     off = L - T
     causal = bool(problem["causal"])
 
@@ -163,7 +176,7 @@ def flex_blockmask(problem: dict, dtype_name: str = "bfloat16", repeat: int = 10
         ok = allow_t[bi, qi, hi // G, ki // BS]
         return ok & (ki <= qi + off) if causal else ok
 
-    bm = create_block_mask(mask_mod, B=B, H=Hq, Q_LEN=T, KV_LEN=L, device="cuda")
+    bm = create_block_mask(mask_mod, B=B, H=Hq, Q_LEN=T, KV_LEN=L, device=_dev())
     flex = torch.compile(flex_attention, dynamic=False)
     return cuda_time(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True), repeat)
 

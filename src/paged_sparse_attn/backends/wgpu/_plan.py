@@ -50,7 +50,7 @@ __all__ = [
 INVALID = 0xFFFFFFFF
 ITEM_WORDS = 8
 MAX_RMAX = 256
-MAX_TK = 32
+MAX_TK = 64
 
 
 def _excl_cumsum(a: np.ndarray) -> np.ndarray:
@@ -441,7 +441,8 @@ def plan_forward(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) -
         sl_edges = idx.row_edges[row_ptr[r0]:row_ptr[r1]].astype(np.int64)  # by row, rank order
         if sl_edges.size == 0:
             continue
-        eids = np.sort(sl_edges)
+        # every edge of rows r0:r1; a single batch holds them all (no sort needed)
+        eids = np.arange(view.E, dtype=np.int64) if sl_edges.shape[0] == view.E else np.sort(sl_edges)
         lrow = view.edge_row[eids] - r0
         it = _items(view, geom, smap, eids, lrow)
         n_rows = r1 - r0

@@ -27,6 +27,7 @@ from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._device import DRIVER_HINT, INSTALL_HINT, DeviceContext, device_errors, open_device
+from ._index_branch import IndexBranchMixin
 from ._plan import (
     BatchPlan,
     Geometry,
@@ -68,7 +69,7 @@ def _layout_bytes(layout: CacheLayout) -> int:
     return int(np.maximum(16, n * layout.slab_bytes).sum())
 
 
-class WgpuBackend(Backend):
+class WgpuBackend(IndexBranchMixin, Backend):
     """KV-outer sparse attention in WGSL through wgpu (Vulkan, Metal, D3D12; lavapipe on CPUs).
 
     Parameters
@@ -132,11 +133,12 @@ class WgpuBackend(Backend):
         #: ``gpu_partials_s`` and ``gpu_merge_s`` (kernel time measured on the GPU).
         self.last_timings: dict = {}
         self._open()
-        wg = 64 if workgroup_size is None else int(workgroup_size)
-        if wg < 64 or wg > self._ctx.max_invocations:  # 64 = ceil(256 / 4): every head dim fits
+        wg = None if workgroup_size is None else int(workgroup_size)
+        if wg is not None and (wg < 64 or wg > self._ctx.max_invocations):  # 64 = ceil(256 / 4): every head dim fits
             raise ValueError(f"WgpuBackend(): workgroup_size must be in 64..{self._ctx.max_invocations}, got {wg}")
-        self._wg = wg
+        self._wg = wg  # None: chosen per call (_shape)
         self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
+        self._profiling = False  # profile_forward: timestamps on every pass
 
     # --- availability and device ---------------------------------------------------------------
 
@@ -494,6 +496,110 @@ class WgpuBackend(Backend):
             lse = np.where(l != 0, ml[:, 0].astype(np.float64) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
         return o.reshape(Tq, Hq, D), lse.astype(np.float32).reshape(Tq, Hq)
 
+    # --- profiling ---------------------------------------------------------------------------------
+
+    def profile_forward(self, problem: Problem, index: KVOuterIndex, repeat: int = 20) -> dict:
+        """GPU time of :meth:`forward` on ``problem`` from timestamp queries (median of ``repeat``).
+
+        Every pass of a forward call is timed (partials, merge); the caches should already be
+        device-resident, so no upload is included. The first call (pipeline compilation) is not
+        counted.
+
+        Returns
+        -------
+        dict
+            ``total_s`` (first pass start to last pass end), ``partials_s`` and ``combine_s``
+            (sums over their passes), ``wall_s`` (median host time of a whole call), ``repeat``,
+            ``timer`` (``"timestamp-query"``, or ``"wall"`` when the device has no timestamps:
+            then the three GPU times are the host time around submit and wait).
+        """
+        runs = []
+        self._profiling = True
+        try:
+            for i in range(int(repeat) + 1):
+                t0 = time.perf_counter()
+                self.forward(problem, index)
+                wall = time.perf_counter() - t0
+                if i:
+                    runs.append((dict(self.last_timings), wall))
+        finally:
+            self._profiling = False
+        ts = all("gpu_total_s" in t for t, _ in runs) and bool(runs)
+        med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+        if ts:
+            total = med([t["gpu_total_s"] for t, _ in runs])
+            part = med([t["gpu_partials_s"] for t, _ in runs])
+            comb = med([t["gpu_merge_s"] for t, _ in runs])
+        else:
+            total = part = med([t.get("gpu_wait_s", 0.0) for t, _ in runs])
+            comb = 0.0
+        return dict(total_s=total, partials_s=part, combine_s=comb, wall_s=med([w for _, w in runs]),
+                    repeat=len(runs), timer="timestamp-query" if ts else "wall")
+
+    def copy_bandwidth(self, nbytes: int = 1 << 28, repeat: int = 10) -> float:
+        """Device copy bandwidth in bytes/s (bytes read plus bytes written), median of ``repeat``.
+
+        Times ``copy_buffer_to_buffer`` between two device buffers of ``nbytes`` (capped by the
+        device's buffer size) with timestamps written by empty compute passes around the copy.
+        Without the ``timestamp-query`` feature the host time around submit and wait is used
+        instead (which includes the submission latency); :attr:`last_timings` says which
+        (``timer``).
+        """
+        import wgpu
+
+        with self._lock:
+            ctx = self._device()
+            dev = ctx.device
+            n = max(256, min(int(nbytes), ctx.buffer_size))
+            n -= n % 256
+            use_ts = "timestamp-query" in ctx.features
+            U = wgpu.BufferUsage
+            bufs = []
+            try:
+                with device_errors("copy_bandwidth", bytes=n):
+                    src = dev.create_buffer(size=n, usage=U.COPY_SRC | U.COPY_DST)
+                    bufs.append(src)
+                    dst = dev.create_buffer(size=n, usage=U.COPY_SRC | U.COPY_DST)
+                    bufs.append(dst)
+                    if use_ts:
+                        qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+                        res = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
+                        rb = dev.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
+                        bufs += [res, rb]
+                    times = []
+                    for i in range(int(repeat) + 1):
+                        enc = dev.create_command_encoder()
+                        if use_ts:
+                            enc.begin_compute_pass(timestamp_writes={"query_set": qset,
+                                                                     "end_of_pass_write_index": 0}).end()
+                        enc.copy_buffer_to_buffer(src, 0, dst, 0, n)
+                        if use_ts:
+                            enc.begin_compute_pass(timestamp_writes={"query_set": qset,
+                                                                     "beginning_of_pass_write_index": 1}).end()
+                            enc.resolve_query_set(qset, 0, 2, res, 0)
+                            enc.copy_buffer_to_buffer(res, 0, rb, 0, 16)
+                        t0 = time.perf_counter()
+                        dev.queue.submit([enc.finish()])
+                        if use_ts:
+                            rb.map_sync(wgpu.MapMode.READ)
+                            a, b = np.frombuffer(rb.read_mapped(), dtype=np.uint64).astype(np.int64)
+                            rb.unmap()
+                            dt = (b - a) * 1e-9
+                        else:
+                            dev.queue.on_submitted_work_done_sync()
+                            dt = time.perf_counter() - t0
+                        if i:  # the first run warms up
+                            times.append(dt)
+            finally:
+                for b in bufs:
+                    try:
+                        b.destroy()
+                    except Exception:
+                        pass
+            t = float(np.median(times))
+            self.last_timings = dict(copy_s=t, copy_bytes=n, timer="timestamp-query" if use_ts else "wall")
+            return 2.0 * n / t if t > 0 else float("nan")
+
     def _device_lost(self) -> bool:
         """Whether the current device is lost (then even a 16-byte allocation fails)."""
         import wgpu
@@ -536,7 +642,8 @@ class WgpuBackend(Backend):
         # plan everything and check the memory it needs before allocating anything
         geom = choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
                                rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=layout.itemsize,
-                               wg_size=self._wg, wg_storage=ctx.workgroup_storage, **self._tune)
+                               wg_storage=ctx.workgroup_storage,
+                               **{**self._shape(ctx, G * max(1, view.max_slot_edges)), **self._tune})
         plans = (plan_forward if mode == "forward" else plan_partials)(view, geom, layout.slab_map(), ctx.binding_size)
         upload_bytes = {"none": 0, "k": 1, "v": 1, "both": 2}[upload] * _layout_bytes(layout)
         self._check_budget(fn, {"cache upload": upload_bytes, **self._call_bytes(ctx, plans, geom)})
@@ -555,6 +662,20 @@ class WgpuBackend(Backend):
                     b.destroy()
                 except Exception:
                     pass
+
+    def _shape(self, ctx: DeviceContext, rows_needed: int) -> dict:
+        """Workgroup size and tile cap of the partials kernel for a call.
+
+        Decode-like calls (a block is read by one query: at most 16 rows per work item) get 128
+        invocations and tiles of up to 64 keys: twice the loads in flight per workgroup and half
+        the barriers per block. Prefill-like calls get 256 invocations, so that a work item holds
+        up to 32 rows (4 queries x 8 heads) and every K/V tile is reused 4 times more than with
+        64 invocations. ``workgroup_size=`` fixes the size instead.
+        """
+        if self._wg is not None:
+            return dict(wg_size=self._wg)
+        wg = 128 if rows_needed <= 16 else 256
+        return dict(wg_size=min(wg, ctx.max_invocations), max_tk=64 if rows_needed <= 16 else 32)
 
     def _scratch(self, ctx: DeviceContext, o_bytes: int, ml_bytes: int):
         """Partials scratch buffers, kept across calls and grown when a call needs more."""
@@ -584,19 +705,38 @@ class WgpuBackend(Backend):
         f16 = layout.itemsize == 2
         sizes = dict(D=D, G=geom.G, S=geom.S, TK=geom.TK, RMAX=geom.RMAX, batches=len(plans),
                      chunks=layout.n_chunks)
+        # Per-call buffers are pooled on the device context and reused (grown when short): buffer
+        # creation dominated the host time of small calls. Under a device-memory budget they are
+        # made per call and freed, so that nothing but the caches and the scratch stays held.
+        pooled = self._max_bytes is None
         owned: list = []
+        mapped: list = []
+        CD = wgpu.BufferUsage.COPY_DST
 
-        def buf(nbytes: int, usage, label: str):
-            b = dev.create_buffer(size=max(16, int(nbytes) + (-int(nbytes)) % 4), usage=usage, label=label)
-            owned.append(b)
+        def buf(nbytes: int, usage, label: str, slot: int = 0):
+            need = max(16, int(nbytes) + (-int(nbytes)) % 4)
+            if not pooled:
+                b = dev.create_buffer(size=need, usage=usage, label=label)
+                owned.append(b)
+                return b
+            key = (label, slot, int(usage))
+            have = ctx.pool.get(key)
+            if have is not None and have.size >= need:
+                return have
+            if have is not None:
+                del ctx.pool[key]
+                have.destroy()
+            size = max(need, int(have.size * 3 // 2) if have is not None else 0)
+            b = ctx.pool[key] = dev.create_buffer(size=size + (-size) % 256, usage=usage, label=label)
             return b
 
-        def data_buf(arr: np.ndarray, label: str, usage=None):
+        def data_buf(arr: np.ndarray, label: str, slot: int, usage=None):
             arr = np.ascontiguousarray(arr)
-            if arr.nbytes < 16:
-                arr = np.concatenate([arr.reshape(-1).view(np.uint8), np.zeros(16 - arr.nbytes, np.uint8)])
-            b = dev.create_buffer_with_data(data=arr, usage=usage or wgpu.BufferUsage.STORAGE, label=label)
-            owned.append(b)
+            if arr.nbytes % 4:
+                arr = np.concatenate([arr.reshape(-1).view(np.uint8), np.zeros(-arr.nbytes % 4, np.uint8)])
+            b = buf(arr.nbytes, (usage or wgpu.BufferUsage.STORAGE) | CD, label, slot)
+            if arr.nbytes:
+                dev.queue.write_buffer(b, 0, arr)
             return b
 
         S_ = wgpu.BufferUsage.STORAGE
@@ -613,18 +753,18 @@ class WgpuBackend(Backend):
                 enc = dev.create_command_encoder(label="paged_sparse_attn")
                 pass_kinds: list = []
                 qset = None
-                if self._opts["timestamps"] and "timestamp-query" in ctx.features:
+                if (self._opts["timestamps"] or self._profiling) and "timestamp-query" in ctx.features:
                     n_pass = sum(1 + (bp.merge_words is not None) for bp in plans)
                     qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2 * n_pass)
                 readbacks = []
                 maxdim = ctx.workgroups_per_dim
                 align = ctx.uniform_align
-                for bp in plans:
+                for bi, bp in enumerate(plans):
                     q_local = np.ascontiguousarray(q_rows[bp.q_rows], dtype=np.float32)
-                    qbuf = data_buf(q_local, "q")
-                    planbuf = data_buf(bp.plan_words, "plan")
-                    out_o = buf(bp.n_dest * D * 4, S_ | wgpu.BufferUsage.COPY_SRC, "out.o")
-                    out_ml = buf(bp.n_dest * 8, S_ | wgpu.BufferUsage.COPY_SRC, "out.ml")
+                    qbuf = data_buf(q_local, "q", bi)
+                    planbuf = data_buf(bp.plan_words, "plan", bi)
+                    out_o = buf(bp.n_dest * D * 4, S_ | wgpu.BufferUsage.COPY_SRC, "out.o", bi)
+                    out_ml = buf(bp.n_dest * 8, S_ | wgpu.BufferUsage.COPY_SRC, "out.ml", bi)
                     part_o, part_ml = (out_o, out_ml) if bp.identity else (scratch_o, scratch_ml)
 
                     records, calls = [], []
@@ -644,8 +784,8 @@ class WgpuBackend(Backend):
                     params = np.zeros((len(records), align // 4), dtype=np.uint32)
                     for i, r in enumerate(records):
                         params[i, :r.shape[0]] = r
-                    pbuf = data_buf(params, "params", wgpu.BufferUsage.UNIFORM)
-                    mbuf = data_buf(bp.merge_words, "merge") if bp.merge_words is not None else None
+                    pbuf = data_buf(params, "params", bi, wgpu.BufferUsage.UNIFORM)
+                    mbuf = data_buf(bp.merge_words, "merge", bi) if bp.merge_words is not None else None
 
                     cp = None
                     for i, (kind, chunk, gx, gy) in enumerate(calls):
@@ -675,8 +815,8 @@ class WgpuBackend(Backend):
                         cp.dispatch_workgroups(gx, gy, 1)
                     if cp is not None:
                         cp.end()
-                    rb_o = buf(bp.n_dest * D * 4, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.o")
-                    rb_ml = buf(bp.n_dest * 8, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.ml")
+                    rb_o = buf(bp.n_dest * D * 4, wgpu.BufferUsage.MAP_READ | CD, "rb.o", bi)
+                    rb_ml = buf(bp.n_dest * 8, wgpu.BufferUsage.MAP_READ | CD, "rb.ml", bi)
                     enc.copy_buffer_to_buffer(out_o, 0, rb_o, 0, bp.n_dest * D * 4)
                     enc.copy_buffer_to_buffer(out_ml, 0, rb_ml, 0, bp.n_dest * 8)
                     readbacks.append((bp, rb_o, rb_ml))
@@ -684,34 +824,47 @@ class WgpuBackend(Backend):
                 if qset is not None and pass_kinds:
                     n_q = 2 * len(pass_kinds)
                     resolved = buf(n_q * 8, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
-                    rb_ts = buf(n_q * 8, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "rb.ts")
+                    rb_ts = buf(n_q * 8, wgpu.BufferUsage.MAP_READ | CD, "rb.ts")
                     enc.resolve_query_set(qset, 0, n_q, resolved, 0)
                     enc.copy_buffer_to_buffer(resolved, 0, rb_ts, 0, n_q * 8)
                 t_sub = time.perf_counter()
                 dev.queue.submit([enc.finish()])
-                readbacks[0][2].map_sync(wgpu.MapMode.READ)  # small; waits for the whole submission
+                mapped.append(readbacks[0][2])
+                readbacks[0][2].map_sync(wgpu.MapMode.READ, 0, plans[0].n_dest * 8)  # waits for the submission
                 t_done = time.perf_counter()
                 for bp, rb_o, rb_ml in readbacks:
-                    rb_o.map_sync(wgpu.MapMode.READ)
-                    view = rb_o.read_mapped(0, bp.n_dest * D * 4, copy=False)
+                    nb = bp.n_dest * D * 4
+                    mapped.append(rb_o)
+                    rb_o.map_sync(wgpu.MapMode.READ, 0, nb)
+                    view = rb_o.read_mapped(0, nb, copy=False)
                     o[bp.dest] = np.frombuffer(view, dtype=np.float32).reshape(-1, D)
                     del view
                     rb_o.unmap()
                     if rb_ml.map_state != "mapped":
-                        rb_ml.map_sync(wgpu.MapMode.READ)
+                        mapped.append(rb_ml)
+                        rb_ml.map_sync(wgpu.MapMode.READ, 0, bp.n_dest * 8)
                     ml[bp.dest] = np.frombuffer(rb_ml.read_mapped(0, bp.n_dest * 8), dtype=np.float32).reshape(-1, 2)
                     rb_ml.unmap()
                 timings.update(encode_s=t_sub - t_enc, gpu_wait_s=t_done - t_sub,
                                readback_s=time.perf_counter() - t_done)
                 if rb_ts is not None:
-                    rb_ts.map_sync(wgpu.MapMode.READ)
-                    ts = np.frombuffer(rb_ts.read_mapped(), dtype=np.uint64).astype(np.int64).reshape(-1, 2)
+                    n_q = 2 * len(pass_kinds)
+                    mapped.append(rb_ts)
+                    rb_ts.map_sync(wgpu.MapMode.READ, 0, n_q * 8)
+                    ts = np.frombuffer(rb_ts.read_mapped(0, n_q * 8), dtype=np.uint64).astype(np.int64).reshape(-1, 2)
                     rb_ts.unmap()
                     dt = (ts[:, 1] - ts[:, 0]) * 1e-9
                     kinds = np.array(pass_kinds)
                     timings.update(gpu_partials_s=float(dt[kinds == "p"].sum()),
-                                   gpu_merge_s=float(dt[kinds == "m"].sum()))
+                                   gpu_merge_s=float(dt[kinds == "m"].sum()),
+                                   gpu_total_s=float((ts[:, 1].max() - ts[:, 0].min()) * 1e-9))
         finally:
+            for b in mapped:  # a pooled readback buffer left mapped by an error would fail the next copy
+                try:
+                    if b.map_state != "unmapped":
+                        b.unmap()
+                except Exception:
+                    pass
             for b in owned:
                 try:
                     b.destroy()

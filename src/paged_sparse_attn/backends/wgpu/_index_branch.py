@@ -1,0 +1,386 @@
+"""The index branch on the wgpu backend: block scores (R22) and exp-free top-k (R24) in WGSL.
+
+:class:`IndexBranchMixin` gives :class:`~paged_sparse_attn.backends.wgpu.WgpuBackend` the two
+methods the index-branch API calls, ``block_scores(IndexProblem)`` and
+``select_topk(TopkProblem)``, plus :meth:`~IndexBranchMixin.upload_index_cache` for a
+device-resident index key cache.
+
+Both kernels exchange integer keys with the host, never infinities or NaN (WGSL guarantees
+neither): block scores come back as order-preserving u32 keys of the float32 maxima (0 = nothing
+visible, ``0xffffffff`` = NaN), and the top-k kernel reads the raw float32 bits of the scores and
+ranks integer keys. Kernel and layout details are in the headers of ``psa_block_scores.wgsl`` and
+``psa_select_topk.wgsl`` and in the "wgpu kernels" section of the index-branch guide.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..._types import DeviceArray
+from ...errors import DeviceError, UnsupportedError
+from ._arrays import CacheLayout, WgpuArray, upload_slabs
+from ._device import device_errors
+from ._plan import grid_dispatches
+from ._shaders import shader_source
+
+__all__ = ["IndexBranchMixin", "decode_score_keys"]
+
+SCORES = "psa_block_scores.wgsl"
+TOPK = "psa_select_topk.wgsl"
+SCORES_WG = 64  # rows per block-score work item
+TOPK_WG = 64
+TKMAX = 32  # the kernel's register tile of logits (const TKMAX in the shader)
+TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
+PARAM_BYTES = 48  # one uniform record per dispatch (multiple of 16)
+INVALID = 0xFFFFFFFF
+NAN_KEY = 0xFFFFFFFF
+
+
+def decode_score_keys(keys: np.ndarray) -> np.ndarray:
+    """Block-score keys of ``psa_block_scores.wgsl`` -> float32 (0 -> -inf, 0xffffffff -> NaN)."""
+    k = np.asarray(keys, dtype=np.uint32)
+    bits = np.where(k & np.uint32(0x80000000), k & np.uint32(0x7FFFFFFF), ~k).astype(np.uint32)
+    out = bits.view(np.float32).copy()
+    out[k == 0] = -np.inf
+    out[k == NAN_KEY] = np.nan
+    return out
+
+
+def _record(*vals) -> np.ndarray:
+    rec = np.zeros(PARAM_BYTES // 4, dtype=np.uint32)
+    for i, v in enumerate(vals):
+        rec[i] = np.array([v], dtype=np.float32).view(np.uint32)[0] if isinstance(v, float) else int(v)
+    return rec
+
+
+class _Run:
+    """Buffers, passes and readbacks of one submission; every buffer is freed by :meth:`close`."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.dev = ctx.device
+        self.owned: list = []
+        self.records: list = []
+        self.calls: list = []  # (pipeline, bind group layout, resources after params, gx, gy)
+        self.reads: list = []  # (buffer, nbytes, callback)
+
+    def data(self, arr: np.ndarray, label: str):
+        import wgpu
+
+        arr = np.ascontiguousarray(arr)
+        raw = arr.reshape(-1).view(np.uint8)
+        if raw.nbytes < 16 or raw.nbytes % 4:
+            raw = np.concatenate([raw, np.zeros(max(16 - raw.nbytes, (-raw.nbytes) % 4), np.uint8)])
+        b = self.dev.create_buffer_with_data(data=raw, usage=wgpu.BufferUsage.STORAGE, label=label)
+        self.owned.append(b)
+        return b
+
+    def output(self, nbytes: int, label: str):
+        """A zero-initialised storage buffer (WebGPU zero-fills new buffers) read back at the end."""
+        import wgpu
+
+        size = max(16, nbytes + (-nbytes) % 4)
+        b = self.dev.create_buffer(size=size, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
+                                   label=label)
+        self.owned.append(b)
+        return b
+
+    def dispatch(self, pipe, bgl, resources: list, record: np.ndarray, gx: int, gy: int) -> None:
+        self.records.append(record)
+        self.calls.append((pipe, bgl, resources, gx, gy))
+
+    def read(self, buf, nbytes: int, sink) -> None:
+        self.reads.append((buf, nbytes, sink))
+
+    def submit(self) -> None:
+        import wgpu
+
+        dev, align = self.dev, self.ctx.uniform_align
+        enc = dev.create_command_encoder(label="paged_sparse_attn.index_branch")
+        if self.calls:
+            params = np.zeros((len(self.records), align // 4), dtype=np.uint32)
+            for i, r in enumerate(self.records):
+                params[i, :r.shape[0]] = r
+            pbuf = dev.create_buffer_with_data(data=params, usage=wgpu.BufferUsage.UNIFORM, label="params")
+            self.owned.append(pbuf)
+            cp = enc.begin_compute_pass()
+            for i, (pipe, bgl, res, gx, gy) in enumerate(self.calls):
+                entries = [{"binding": 0, "resource": {"buffer": pbuf, "offset": i * align, "size": PARAM_BYTES}}]
+                entries += [{"binding": j + 1, "resource": {"buffer": b}} for j, b in enumerate(res)]
+                cp.set_pipeline(pipe)
+                cp.set_bind_group(0, dev.create_bind_group(layout=bgl, entries=entries))
+                cp.dispatch_workgroups(gx, gy, 1)
+            cp.end()
+        staging = []
+        for buf, nbytes, sink in self.reads:
+            if nbytes == 0:
+                continue
+            rb = dev.create_buffer(size=max(16, nbytes), usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+                                   label="readback")
+            self.owned.append(rb)
+            enc.copy_buffer_to_buffer(buf, 0, rb, 0, nbytes)
+            staging.append((rb, nbytes, sink))
+        dev.queue.submit([enc.finish()])
+        for rb, nbytes, sink in staging:
+            rb.map_sync(wgpu.MapMode.READ)
+            sink(np.frombuffer(rb.read_mapped(0, nbytes), dtype=np.uint8).copy())
+            rb.unmap()
+
+    def close(self) -> None:
+        for b in self.owned:
+            try:
+                b.destroy()
+            except Exception:
+                pass
+        self.owned = []
+
+
+class IndexBranchMixin:
+    """Index-branch methods of the wgpu backend (needs the backend's device, lock and helpers)."""
+
+    # --- public --------------------------------------------------------------------------------
+
+    def upload_index_cache(self, index_k_cache) -> WgpuArray:
+        """Copy a paged index key cache ``[P, Hk_idx, S, d_idx]`` to the device, to reuse across calls.
+
+        Returns
+        -------
+        WgpuArray
+            Pass it to :func:`~paged_sparse_attn.index_branch.block_scores` or
+            :func:`~paged_sparse_attn.index_branch.sparse_attention` in place of the numpy array;
+            update pages with ``.write_pages``; free with ``.release()``.
+        """
+        from ..._validation import check_float_array
+
+        fn = "upload_index_cache"
+        ik = check_float_array(index_k_cache, fn, "index_k_cache", 4)
+        self._check_cache_dtype(ik.dtype, fn)
+        with self._lock:
+            ctx = self._device()
+            layout = CacheLayout.make(ik.shape, ik.dtype, ctx.binding_size)
+            return WgpuArray(self, layout, upload_slabs(ctx.device, ik, layout, "index_k_cache"),
+                             self._generation, "index_k_cache")
+
+    def block_scores(self, problem) -> np.ndarray:
+        """Block scores of R22 on the device; float32 ``[Tq, Hkv, msb]`` (see ``psa_block_scores.wgsl``)."""
+        return self._ib_guarded(self._block_scores_locked, problem)
+
+    def select_topk(self, problem) -> np.ndarray:
+        """Exp-free top-k of R24 on the device; int32 ``[Tq, Hkv, topk]`` (see ``psa_select_topk.wgsl``)."""
+        return self._ib_guarded(self._select_topk_locked, problem)
+
+    # --- plumbing --------------------------------------------------------------------------------
+
+    def _ib_guarded(self, fn, problem):
+        with self._lock:
+            try:
+                return fn(problem)
+            except DeviceError as exc:
+                if "lost" in str(exc).lower():
+                    self.close()  # the next call opens a new device
+                raise
+
+    def _ib_pipeline(self, kernel: str, n_storage: int, f16: bool, constants: dict):
+        """(pipeline, bind group layout): uniform params, then ``n_storage`` storage buffers (the last read_write)."""
+        import wgpu
+
+        ctx = self._device()
+        key = ("index_branch", kernel, f16, tuple(sorted(constants.items())))
+        hit = ctx.pipelines.get(key)
+        if hit is None:
+            lkey = ("index_branch", kernel)
+            if lkey not in ctx.layouts:
+                kinds = ([{"type": wgpu.BufferBindingType.uniform}]
+                         + [{"type": wgpu.BufferBindingType.read_only_storage}] * (n_storage - 1)
+                         + [{"type": wgpu.BufferBindingType.storage}])
+                entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": k}
+                           for i, k in enumerate(kinds)]
+                with device_errors(f"bind group layout of {kernel}"):
+                    bgl = ctx.device.create_bind_group_layout(entries=entries)
+                    ctx.layouts[lkey] = (bgl, ctx.device.create_pipeline_layout(bind_group_layouts=[bgl]))
+            bgl, pl = ctx.layouts[lkey]
+            with device_errors(f"pipeline creation of {kernel}", f16=f16, **constants):
+                module = ctx.device.create_shader_module(code=shader_source(kernel, f16=f16), label=kernel)
+                pipe = ctx.device.create_compute_pipeline(
+                    layout=pl, compute={"module": module, "entry_point": "main", "constants": constants},
+                    label=kernel)
+            hit = ctx.pipelines[key] = (pipe, bgl)
+        return hit
+
+    # --- block scores ----------------------------------------------------------------------------
+
+    def _block_scores_locked(self, p) -> np.ndarray:
+        fn = "block_scores"
+        Tq, Hkv, d = p.index_q.shape
+        msb, BS, S, ppb, Hk, B = p.msb, p.block_size, p.page_size, p.pages_per_block, p.num_index_heads, p.num_seqs
+        out = np.full((Tq, Hkv, msb), -np.inf, dtype=np.float32)
+        ik = p.index_k_cache
+        resident = isinstance(ik, DeviceArray)
+        if resident:
+            self._own(ik, fn)
+        self._check_cache_dtype(np.dtype(ik.dtype), fn)
+        if Tq == 0 or p.num_pages == 0:
+            return out  # no page exists: every block_tables entry is -1, nothing is visible
+        ctx = self._device()
+        DV = -(-d // 4)
+        cu = p.cu_seqlens_q.astype(np.int64)
+        lens = p.used_kv_lens.astype(np.int64)
+        qend = p.query_end.astype(np.int64)
+        T = np.diff(cu)
+        nblk = np.minimum(msb, -(-lens // BS))
+        bt = p.block_tables[:, :msb * ppb].astype(np.int64)
+        # readable pages (R10): mapped, starting below L_b, of a sequence with queries
+        col = np.arange(msb * ppb, dtype=np.int64)
+        readable = (bt >= 0) & (col[None, :] * S < lens[:, None]) & (T > 0)[:, None]
+        if not readable.any():
+            return out
+        rb, rc = np.nonzero(readable)
+        gslab = (bt[rb, rc][:, None] * Hk + np.arange(Hk)[None, :])  # [n, Hk] global slabs
+        if resident:
+            layout = ik.layout
+            dslab = gslab
+        else:
+            needed = np.unique(gslab)
+            layout = CacheLayout.make(ik.shape, ik.dtype, ctx.binding_size, slab_ids=needed)
+            dslab = np.searchsorted(needed, gslab)
+        starts = layout.chunk_starts
+        nch = layout.n_chunks
+        chunk = np.searchsorted(starts, dslab, side="right") - 1
+        # page lists [B, msb, Hk, ppb]: device slab or INVALID; chunk of every readable entry
+        pt = np.full((B, msb, Hk, ppb), INVALID, dtype=np.uint32)
+        pch = np.full((B, msb, Hk, ppb), -1, dtype=np.int64)
+        hks = np.broadcast_to(np.arange(Hk), gslab.shape)
+        at = (rb[:, None], (rc // ppb)[:, None], hks, (rc % ppb)[:, None])
+        pt[at] = dslab.astype(np.uint32)
+        pch[at] = chunk
+        if pt.nbytes > ctx.binding_size:
+            raise UnsupportedError(
+                f"{fn}(): backend 'wgpu' cannot hold the page lists of this problem ({pt.nbytes} bytes for "
+                f"B={B} x msb={msb} x Hk_idx={Hk} x {ppb} pages) in one storage binding of "
+                f"{ctx.binding_size} bytes; split the call into fewer sequences [R18]")
+
+        TK = min(TKMAX, BS, (ctx.workgroup_storage - 16) // (DV * 16 + 4))
+        if TK < 1:
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {DV * 16 + 4} bytes of workgroup memory per "
+                                   f"position for d_idx={d}, the device has {ctx.workgroup_storage} [R18]")
+        f16 = np.dtype(ik.dtype).itemsize == 2
+        pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "TK": TK, "WG": SCORES_WG})
+
+        iq = np.zeros((Tq, Hkv, DV * 4), dtype=np.float32)
+        iq[:, :, :d] = p.index_q
+        per_q = max(Hkv * DV * 16, Hkv * msb * 4)
+        # a batch of queries: its index queries, its outputs and its query_end plus >= 1 work item fit
+        step = min(ctx.binding_size // per_q, ctx.binding_size // 4 - 8)
+        if step < 1:
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {per_q} bytes per query (Hkv={Hkv}, msb={msb}, "
+                                   f"d_idx={d}), more than one storage binding ({ctx.binding_size} bytes) [R18]")
+        heads = [(0, Hkv, 0)] if Hk == 1 else [(h, 1, h) for h in range(Hkv)]  # (h_off, nh, hk)
+
+        def plan(ta: int, tb: int) -> list[np.ndarray]:
+            """Work items [n, 8] of queries [ta, tb) for every chunk."""
+            per_chunk = [[] for _ in range(nch)]
+            for b in np.flatnonzero((cu[1:] > ta) & (cu[:-1] < tb) & (nblk > 0)):
+                ts, te = max(int(cu[b]), ta), min(int(cu[b + 1]), tb)
+                L = int(lens[b])
+                s = np.arange(int(nblk[b]), dtype=np.int64)
+                for h_off, nh, hk in heads:
+                    nr = (te - ts) * nh
+                    r0 = np.arange(0, nr, SCORES_WG, dtype=np.int64)
+                    n_rows = np.minimum(SCORES_WG, nr - r0)
+                    last_end = qend[ts + (r0 + n_rows - 1) // nh]  # query_end grows within a sequence
+                    npos = np.minimum(np.minimum(BS, L - s * BS)[None, :], last_end[:, None] - s[None, :] * BS)
+                    for c in range(nch):
+                        in_c = (pch[b, s, hk] == c).any(axis=-1)  # the block has a page in chunk c
+                        ri, si = np.nonzero((npos > 0) & in_c[None, :])
+                        if ri.size == 0:
+                            continue
+                        ss = s[si]
+                        per_chunk[c].append(np.stack([
+                            np.full(ri.size, ts - ta), r0[ri], n_rows[ri], np.full(ri.size, nh),
+                            np.full(ri.size, h_off), ((b * msb + ss) * Hk + hk) * ppb, npos[ri, si], ss], axis=1))
+            return [np.concatenate(x) if x else np.zeros((0, 8), np.int64) for x in per_chunk]
+
+        run = _Run(ctx)
+        sizes = dict(Tq=Tq, Hkv=Hkv, msb=msb, d_idx=d, chunks=nch)
+        try:
+            with device_errors("wgpu block_scores", **sizes):
+                kbufs = ik.buffers() if resident else upload_slabs(ctx.device, np.asarray(ik), layout,
+                                                                    "index_k_cache")
+                if not resident:
+                    run.owned.extend(kbufs)
+                pbuf = run.data(pt, "pages")
+                maxdim = ctx.workgroups_per_dim
+                scale = float(p.softmax_scale)
+                flat = out.reshape(Tq, -1)
+                for ta in range(0, Tq, step):
+                    tb = min(Tq, ta + step)
+                    nq = tb - ta
+                    qend_w = qend[ta:tb].astype(np.int32).view(np.uint32)
+                    per_plan = (ctx.binding_size // 4 - nq) // 8  # work items one plan buffer holds
+                    qbuf = run.data(iq[ta:tb], "index_q")
+                    obuf = run.output(nq * Hkv * msb * 4, "scores")
+                    for c, items in enumerate(plan(ta, tb)):
+                        for i0 in range(0, items.shape[0], per_plan):
+                            part = items[i0:i0 + per_plan]
+                            plbuf = run.data(np.concatenate([qend_w, part.astype(np.uint32).reshape(-1)]), "plan")
+                            for f2, cnt, gx, gy in grid_dispatches(part.shape[0], maxdim):
+                                rec = _record(f2, cnt, gx, nq, Hkv, msb, scale, int(starts[c]), int(starts[c + 1]))
+                                run.dispatch(pipe, bgl, [qbuf, kbufs[c], pbuf, plbuf, obuf], rec, gx, gy)
+
+                    def sink(raw, ta=ta, tb=tb):
+                        flat[ta:tb] = decode_score_keys(raw.view(np.uint32)).reshape(tb - ta, -1)
+
+                    run.read(obuf, nq * Hkv * msb * 4, sink)
+                run.submit()
+        finally:
+            run.close()
+        return out
+
+    # --- top-k -----------------------------------------------------------------------------------
+
+    def _select_topk_locked(self, p) -> np.ndarray:
+        fn = "select_topk"
+        Tq, Hkv, msb = p.scores.shape
+        k = p.topk
+        out = np.full((Tq, Hkv, k), -1, dtype=np.int32)
+        if k == 0 or Tq * Hkv == 0:
+            return out
+        ctx = self._device()
+        k_out = min(k, msb)  # a row holds at most msb distinct ids; the rest is -1 padding
+        per_q = Hkv * max(msb, k_out) * 4
+        if per_q > ctx.binding_size:
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {per_q} bytes per query (Hkv={Hkv}, "
+                                   f"msb={msb}), more than one storage binding ({ctx.binding_size} bytes) [R18]")
+        cap = min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
+        if cap < 1:
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs more than {ctx.workgroup_storage} bytes of "
+                                   "workgroup memory [R18]")
+        pipe, bgl = self._ib_pipeline(TOPK, 3, False, {"WG": TOPK_WG, "CAP": cap})
+        lo_passes = -(-int(msb - 1).bit_length() // 8)
+        bits = p.scores.view(np.uint32).reshape(Tq, Hkv * msb)
+        local = p.local_block.astype(np.int32)
+        res = np.empty((Tq, Hkv * k_out), dtype=np.int32)
+        step = max(1, ctx.binding_size // per_q)
+        maxdim = ctx.workgroups_per_dim
+        run = _Run(ctx)
+        try:
+            with device_errors("wgpu select_topk", Tq=Tq, Hkv=Hkv, msb=msb, topk=k):
+                for ta in range(0, Tq, step):
+                    tb = min(Tq, ta + step)
+                    rows = (tb - ta) * Hkv
+                    sbuf = run.data(bits[ta:tb], "scores")
+                    lbuf = run.data(local[ta:tb], "local_block")
+                    obuf = run.output(rows * k_out * 4, "selected")
+                    for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
+                        rec = _record(f2, cnt, gx, msb, k_out, Hkv, lo_passes)
+                        run.dispatch(pipe, bgl, [sbuf, lbuf, obuf], rec, gx, gy)
+
+                    def sink(raw, ta=ta, tb=tb):
+                        res[ta:tb] = raw.view(np.int32).reshape(tb - ta, -1)
+
+                    run.read(obuf, rows * k_out * 4, sink)
+                run.submit()
+        finally:
+            run.close()
+        out[:, :, :k_out] = res.reshape(Tq, Hkv, k_out)
+        return out

@@ -1,0 +1,292 @@
+"""The index branch (R21-R25) on the wgpu backend: WGSL block scores and top-k.
+
+Selections must be bit-for-bit those of the numpy backend for the same scores (ties, NaN,
+infinities and signed zeros included, R24); block scores agree with the float64 loop reference
+within the float32 dot-product bound of R22 (derived from the data and d_idx, as in
+``test_index_branch.py``), with exactly the same ``-inf`` and NaN pattern. Like the other wgpu
+tests these need the backend (lavapipe in CI): a missing driver fails, it does not skip. Devices
+use WebGPU's default limits; shapes are small.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import paged_sparse_attn as psa
+from paged_sparse_attn.index_branch import (
+    block_scores,
+    block_scores_reference,
+    select_topk,
+    sparse_attention,
+)
+
+from test_index_branch import (
+    SPECIAL,
+    _cells_below,
+    _poison,
+    assert_scores_close,
+    attn_args,
+    brute_topk,
+    layouts,
+    local_of,
+    make_case,
+    score_args,
+    score_bound,
+    topk_cases,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.fixture(scope="session")
+def WgpuBackend():
+    from paged_sparse_attn.backends.wgpu import WgpuBackend
+
+    avail = WgpuBackend.probe()
+    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
+    return WgpuBackend
+
+
+@pytest.fixture(scope="session")
+def be(WgpuBackend):
+    return WgpuBackend(required_limits="default")
+
+
+@pytest.fixture(scope="session")
+def be_split(WgpuBackend):
+    """256-byte bindings (index caches in many chunks, queries in many batches, work items in many
+    plan buffers) and 2 x 2 workgroups per dispatch (the >65535-workgroup path)."""
+    return WgpuBackend(required_limits="default", max_binding_size=256, max_workgroups_per_dim=2)
+
+
+@pytest.fixture(scope="session")
+def be_small_wg(WgpuBackend):
+    """4 KiB of workgroup memory: top-k ranks at most 256 chosen blocks in workgroup memory, more
+    by scanning the row; block-score tiles shrink. 3 x 3 workgroups per dispatch."""
+    return WgpuBackend(required_limits={"max_compute_workgroup_storage_size": 4096}, max_workgroups_per_dim=3)
+
+
+def _scores(c, backend, causal=True, **kw):
+    return block_scores(*score_args(c), block_size=c["block_size"], causal=causal, backend=backend, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# R22: block scores
+# --------------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(layout=layouts, causal=st.booleans(), dtype=st.sampled_from([np.float32, np.float16]))
+def test_R22_wgpu_block_scores_match_loop_reference(be, layout, causal, dtype):
+    c = make_case(**layout, dtype=dtype)
+    got = _scores(c, be, causal)
+    ref = block_scores_reference(*score_args(c), block_size=c["block_size"], causal=causal)
+    assert got.shape == (c["index_q"].shape[0], layout["Hkv"], layout["msb"])
+    assert_scores_close(got, ref, score_bound(c, causal))
+
+
+def test_R22_wgpu_hand_computed_scores(be):
+    # the worked example of the spec: S = BS = 2, page 1 unmapped, L = 5, queries at 3 and 4
+    iq = np.array([[[1.0, 0.0]], [[0.0, 1.0]]], np.float32)
+    ik = np.zeros((3, 1, 2, 2), np.float32)
+    ik[0, 0] = [[1, 2], [3, 4]]
+    ik[1, 0] = np.nan  # never mapped: must not leak
+    ik[2, 0] = [[5, -6], [np.inf, 8]]  # position 5 >= L_b: its Inf must not leak
+    args = (iq, ik, np.array([[0, -1, 2]]), np.array([0, 2]), np.array([5]))
+    got = block_scores(*args, block_size=2, softmax_scale=1.0, backend=be)
+    np.testing.assert_array_equal(got, np.array([[[3, -np.inf, -np.inf]], [[4, -np.inf, -6]]], np.float32))
+    got = block_scores(*args, block_size=2, softmax_scale=1.0, causal=False, backend=be)
+    np.testing.assert_array_equal(got[0], [[3, -np.inf, 5]])
+
+
+@settings(max_examples=25, deadline=None)
+@given(layout=layouts, causal=st.booleans())
+def test_R22_R10_wgpu_unmapped_and_out_of_range_memory_never_read(be, layout, causal):
+    c = make_case(**layout)
+    clean = _scores(c, be, causal)
+    keep = _cells_below(c, c["used_kv_lens"])  # everything a query could ever see
+    c2 = dict(c, index_k_cache=_poison(c, np.random.default_rng(layout["seed"]), keep=keep))
+    np.testing.assert_array_equal(_scores(c2, be, causal), clean)  # same device, same bits (R19)
+
+
+def test_R22_wgpu_future_position_never_read_and_visible_nan_propagates(be):
+    c = make_case(11, B=1, S=2, ppb=2, msb=4, T=[5], lens=[14], holes=0.0, extra_cols=0)
+    BS, bt = c["block_size"], c["block_tables"]
+    clean = _scores(c, be)
+    p = 10  # in the future of query 0 (position 9), seen by the others
+    ik = c["index_k_cache"].copy()
+    ik[bt[0, p // 2], :, p % 2] = np.nan
+    got = _scores(dict(c, index_k_cache=ik), be)
+    np.testing.assert_array_equal(got[0], clean[0])
+    assert np.isnan(got[1:, :, p // BS]).all()  # a visible NaN logit makes the score NaN (R22)
+    others = [s for s in range(4) if s != p // BS]
+    np.testing.assert_array_equal(got[1:][:, :, others], clean[1:][:, :, others])
+
+
+def test_R22_wgpu_visible_infinities_give_infinite_scores(be):
+    c = make_case(4, B=1, S=2, ppb=1, msb=3, T=[1], lens=[6], holes=0.0, extra_cols=0, d=2, Hkv=1)
+    bt = c["block_tables"]
+    iq = np.array([[[1.0, 0.0]]], np.float32)
+    ik = np.ones_like(c["index_k_cache"])
+    ik[bt[0, 0], 0, 1] = [np.inf, 0.0]  # block 0: +inf wins its max
+    ik[bt[0, 1]] = [[-np.inf, 0.0]]  # block 1: every logit -inf -> -inf
+    got = block_scores(iq, ik, *score_args(c)[2:], block_size=2, backend=be)
+    want = block_scores(iq, ik, *score_args(c)[2:], block_size=2, backend="numpy")
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 0, 0] == np.inf and got[0, 0, 1] == -np.inf and np.isfinite(got[0, 0, 2])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_R22_wgpu_chunked_cache_batches_and_split_grids_give_the_same_bits(be, be_split, shared, causal):
+    c = make_case(17, B=3, S=2, ppb=2, msb=5, Hkv=2, shared=shared, d=9, T=[4, 0, 6], lens=[20, 3, 17])
+    ref = _scores(c, be, causal)
+    got = _scores(c, be_split, causal)
+    np.testing.assert_array_equal(got, ref)  # a max is exact: chunking and batching change no bit
+    dev = be_split.upload_index_cache(c["index_k_cache"])
+    try:
+        assert dev.layout.n_chunks > 1  # the split path is really taken
+        got_dev = block_scores(c["index_q"], dev, *score_args(c)[2:], block_size=c["block_size"], causal=causal,
+                               backend=be_split)
+    finally:
+        dev.release()
+    np.testing.assert_array_equal(got_dev, ref)
+    assert_scores_close(ref, block_scores_reference(*score_args(c), block_size=c["block_size"], causal=causal),
+                        score_bound(c, causal))
+
+
+def test_R22_wgpu_small_workgroup_memory_and_wide_index_rows(be, be_small_wg):
+    # d_idx = 60: 15 vec4s per row, two register chunks per row; 4 KiB of workgroup memory
+    c = make_case(23, B=2, S=4, ppb=2, msb=4, Hkv=3, d=60, T=[3, 2])
+    ref = block_scores_reference(*score_args(c), block_size=c["block_size"])
+    a, b = _scores(c, be), _scores(c, be_small_wg)
+    assert_scores_close(a, ref, score_bound(c, True))
+    assert_scores_close(b, ref, score_bound(c, True))
+
+
+def test_R22_wgpu_resident_index_cache_and_page_updates(be):
+    c = make_case(29, B=2, msb=4, T=[2, 3], holes=0.0)
+    dev = be.upload_index_cache(c["index_k_cache"])
+    try:
+        np.testing.assert_array_equal(dev.to_numpy(), c["index_k_cache"])
+        args = (c["index_q"], dev, *score_args(c)[2:])
+        np.testing.assert_array_equal(block_scores(*args, block_size=c["block_size"], backend=be), _scores(c, be))
+        ik = c["index_k_cache"].copy()
+        pages = np.unique(c["block_tables"][c["block_tables"] >= 0])[:3]
+        ik[pages] = -ik[pages]
+        dev.write_pages(pages, ik[pages])
+        np.testing.assert_array_equal(block_scores(*args, block_size=c["block_size"], backend=be),
+                                      _scores(dict(c, index_k_cache=ik), be))
+        with pytest.raises(psa.UnsupportedError, match="device array"):
+            block_scores(*args, block_size=c["block_size"], backend="numpy")
+    finally:
+        dev.release()
+
+
+def test_R18_wgpu_float16_index_cache_needs_shader_f16(WgpuBackend):
+    nof16 = WgpuBackend(required_limits="default", disable_features=("shader-f16",))
+    c = make_case(3, dtype=np.float16)
+    with pytest.raises(psa.UnsupportedError, match="float16"):
+        _scores(c, nof16)
+
+
+# --------------------------------------------------------------------------------------------
+# R24: top-k
+# --------------------------------------------------------------------------------------------
+
+@SETTINGS
+@given(case=topk_cases(), force_local=st.booleans())
+def test_R24_wgpu_select_topk_bit_identical_to_numpy(be, case, force_local):
+    kw = dict(force_local=force_local, cu_seqlens_q=case["cu"], used_kv_lens=case["lens"],
+              block_size=case["block_size"])
+    got = select_topk(case["scores"], case["topk"], **kw, backend=be)
+    want = select_topk(case["scores"], case["topk"], **kw, backend="numpy")
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
+    c = dict(cu_seqlens_q=case["cu"], used_kv_lens=case["lens"], block_size=case["block_size"])
+    local = local_of(c) if force_local else [None] * case["scores"].shape[0]
+    np.testing.assert_array_equal(got, brute_topk(case["scores"], case["topk"], local))
+
+
+@pytest.mark.parametrize("msb", [1, 3, 256, 257, 700])
+def test_R24_wgpu_long_rows_with_ties_all_selection_paths(be, be_small_wg, msb):
+    # 256 < msb: two radix passes over the id part; topk > 256 on be_small_wg: rank by row scan
+    rng = np.random.default_rng(msb)
+    special = np.array(SPECIAL + [1e-30, -1e-30, 3e38, -3e38], np.float32)
+    scores = np.where(rng.random((3, 2, msb)) < 0.5, rng.choice(special, (3, 2, msb)),
+                      rng.integers(-3, 4, (3, 2, msb))).astype(np.float32)
+    cu, lens = np.array([0, 2, 3]), np.array([2 * msb, max(0, 2 * msb - 3)])
+    for k in sorted({1, 2, 5, msb // 2 + 1, msb - 1, msb, msb + 3} - {0}):
+        for fl in (False, True):
+            kw = dict(cu_seqlens_q=cu, used_kv_lens=lens, block_size=2) if fl else {}
+            want = select_topk(scores, k, force_local=fl, backend="numpy", **kw)
+            for b in (be, be_small_wg):
+                np.testing.assert_array_equal(select_topk(scores, k, force_local=fl, backend=b, **kw), want,
+                                              err_msg=f"msb={msb} topk={k} force_local={fl} {b!r}")
+
+
+def test_R24_wgpu_spec_example_and_forced_local_with_nan(be):
+    scores = np.array([[[0.0, np.nan, 1.0, -0.0, 1.0, -np.inf, np.inf]]], np.float32)
+    np.testing.assert_array_equal(select_topk(scores, 9, force_local=False, backend=be)[0, 0],
+                                  [6, 2, 4, 0, 3, -1, -1, -1, -1])
+    np.testing.assert_array_equal(select_topk(-scores, 2, force_local=False, backend=be)[0, 0], [5, 0])
+    local = dict(cu_seqlens_q=np.array([0, 1]), used_kv_lens=np.array([4]), block_size=2)
+    np.testing.assert_array_equal(select_topk(scores, 3, **local, backend=be)[0, 0], [1, 6, 2])
+    sc2 = np.array([[[5.0, np.nan, 4.0]], [[5.0, 4.0, -np.inf]]], np.float32)
+    two = dict(cu_seqlens_q=np.array([0, 2]), used_kv_lens=np.array([6]), block_size=2)
+    np.testing.assert_array_equal(select_topk(sc2, 2, **two, backend=be)[:, 0], [[2, 0], [2, 0]])
+    np.testing.assert_array_equal(select_topk(sc2, 1, **two, backend=be)[:, 0], [[2], [2]])
+
+
+def test_R24_wgpu_topk_zero_empty_rows_and_split_grids(be, be_split):
+    assert select_topk(np.ones((2, 1, 3), np.float32), 0, force_local=False, backend=be).shape == (2, 1, 0)
+    assert select_topk(np.ones((0, 2, 3), np.float32), 2, force_local=False, backend=be).shape == (0, 2, 2)
+    rng = np.random.default_rng(5)
+    scores = rng.choice(np.array(SPECIAL, np.float32), size=(9, 3, 12))  # 27 rows: 7 dispatches of 2 x 2
+    for k in (1, 4, 13):
+        want = select_topk(scores, k, force_local=False, backend="numpy")
+        np.testing.assert_array_equal(select_topk(scores, k, force_local=False, backend=be_split), want)
+
+
+# --------------------------------------------------------------------------------------------
+# R25 and R19: end to end
+# --------------------------------------------------------------------------------------------
+
+@settings(max_examples=20, deadline=None)
+@given(layout=layouts, causal=st.booleans(), extra=st.integers(0, 2))
+def test_R25_wgpu_topk_covering_all_blocks_equals_dense(be, layout, causal, extra):
+    c = make_case(**layout)
+    Tq, Hkv = c["index_q"].shape[:2]
+    msb = layout["msb"]
+    common = dict(used_kv_lens=c["used_kv_lens"], block_size=c["block_size"])
+    out, lse = sparse_attention(*attn_args(c), **common, topk=msb + extra, causal=causal, return_lse=True,
+                                backend=be)
+    everything = np.broadcast_to(np.arange(msb), (Tq, Hkv, msb)).copy()
+    ref, ref_lse = psa.dense_reference(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], everything,
+                                       c["cu_seqlens_q"], **common, causal=causal)
+    tol = 64 * F32_EPS  # float32 against the float64 oracle (R20), as in test_index_branch
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_R25_R19_wgpu_sparse_attention_is_its_three_steps_and_deterministic(be, causal):
+    c = make_case(31, B=3, msb=5, T=[3, 1, 2], Hkv=2, G=2)
+    common = dict(used_kv_lens=c["used_kv_lens"], block_size=c["block_size"], causal=causal)
+    out, lse = sparse_attention(*attn_args(c), **common, topk=2, return_lse=True, backend=be)
+    scores = _scores(c, be, causal)
+    sel = select_topk(scores, 2, cu_seqlens_q=c["cu_seqlens_q"], used_kv_lens=c["used_kv_lens"],
+                      block_size=c["block_size"], backend=be)
+    fwd = psa.forward(c["q"], c["k_cache"], c["v_cache"], c["block_tables"], sel, c["cu_seqlens_q"], **common,
+                      backend=be, return_lse=True)
+    np.testing.assert_array_equal(out, fwd[0])
+    np.testing.assert_array_equal(lse, fwd[1])
+    again = sparse_attention(*attn_args(c), **common, topk=2, return_lse=True, backend=be)
+    np.testing.assert_array_equal(again[0], out)
+    np.testing.assert_array_equal(again[1], lse)
+    np.testing.assert_array_equal(_scores(c, be, causal), scores)
