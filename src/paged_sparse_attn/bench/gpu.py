@@ -93,10 +93,12 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
     for be in bes:
         say(f"{be.name}: copy bandwidth")
         result["ceilings"][f"{be.name} copy bytes/s"] = be.copy_bandwidth(1 << (24 if quick else 30))
+        result["ceilings"][f"{be.name} copy timer"] = getattr(be, "last_timings", {}).get("timer", "?")
     if t_ok:
         say("torch: copy bandwidth")
         result["ceilings"]["torch copy bytes/s"] = copy_bandwidth(1 << (24 if quick else 31))
-    bw = max(result["ceilings"].values()) if result["ceilings"] else None
+    bws = [v for k, v in result["ceilings"].items() if k.endswith("bytes/s") and v == v]
+    bw = max(bws) if bws else None
     result["copy_bandwidth"] = bw
     rows = []
     for w in wls:
@@ -123,6 +125,7 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             row[f"{be.name}_s"] = t
             row[f"{be.name}_partials_s"] = prof.get("partials_s")
             row[f"{be.name}_combine_s"] = prof.get("combine_s")
+            row[f"{be.name}_timer"] = prof.get("timer")
             row[f"{be.name}_GBps"] = needed / t / 1e9
             row[f"{be.name}_TFLOPs"] = flops / t / 1e12
             if bw:
