@@ -62,3 +62,11 @@ def test_gpu_suite_quick_runs_on_the_wgpu_backend(tmp_path):
         assert row["wgpu_s"] > 0 and row["wgpu_e2e_s"] > 0
         assert row["wgpu_floor_ratio"] == pytest.approx(row["floor_s"] / row["wgpu_s"])
     assert (tmp_path / "gpu.png").stat().st_size > 1000
+
+
+def test_index_suite_quick_runs_every_backend(tmp_path):
+    path = tmp_path / "index.json"
+    assert bench.main(["--suite", "index", "--quick", "--repeat", "1", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    (row,) = res["rows"]
+    assert row["numpy_s"] > 0 and row["wgpu_s"] > 0

@@ -9,6 +9,8 @@ gpu
     queries with the paged cache device-resident, end-to-end ``forward()`` time separately,
     ratios to the device copy bandwidth measured in the same run and, where torch with CUDA is
     importable, to peers (dense SDPA, gather+SDPA, FlexAttention) on the same problems.
+index
+    The index branch (block_scores + select_topk) against torch matmul + amax + topk.
 
 Numbers are measured, never assumed; nothing here asserts a time.
 """
@@ -54,8 +56,12 @@ def run(suite: str = "cpu", *, quick: bool = False, backends: Sequence[str] | No
 
         res = run_gpu(quick=quick, backends=backends, repeat=repeat, progress=progress,
                       on_row=(lambda partial: on_row({**meta, **partial})) if on_row else None)
+    elif suite == "index":
+        from .index_branch import run_index
+
+        res = run_index(quick=quick, backends=backends, repeat=repeat, progress=progress)
     else:
-        raise ValueError(f"unknown suite {suite!r} (cpu, gpu)")
+        raise ValueError(f"unknown suite {suite!r} (cpu, gpu, index)")
     return {**meta, **res}
 
 
@@ -80,7 +86,7 @@ def format_table(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     ap = argparse.ArgumentParser(prog="paged-sparse-attn bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--suite", choices=["cpu", "gpu", "index"], default="cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes, one repeat (a smoke test)")
     ap.add_argument("--backend", action="append", help="device backends to run (default: every available)")
     ap.add_argument("--repeat", type=int, default=None)
