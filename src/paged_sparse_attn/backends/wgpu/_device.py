@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -16,6 +17,8 @@ __all__ = [
     "INSTALL_HINT",
     "DRIVER_HINT",
     "DeviceContext",
+    "PipelineCache",
+    "MAX_PIPELINES",
     "open_device",
     "request_adapter",
     "device_errors",
@@ -80,6 +83,35 @@ REPORTED_LIMITS = (
 WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
 
 
+MAX_PIPELINES = 64
+"""Compiled pipelines a device keeps (least recently used evicted first)."""
+
+
+class PipelineCache(OrderedDict):
+    """Compiled pipelines by specialisation key; the least recently used go past ``maxsize``.
+
+    A long-running process that meets many problem shapes would otherwise keep every pipeline
+    it ever compiled (compiled device code: megabytes each on some drivers); an evicted one is
+    compiled again when needed.
+    """
+
+    def __init__(self, maxsize: int = MAX_PIPELINES):
+        super().__init__()
+        self.maxsize = maxsize
+
+    def get(self, key, default=None):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
+
+
 @dataclass
 class DeviceContext:
     """One device and what the kernels may assume about it."""
@@ -97,7 +129,7 @@ class DeviceContext:
     max_invocations: int
     uniform_align: int
     generation: int = 0
-    pipelines: dict = field(default_factory=dict)
+    pipelines: dict = field(default_factory=PipelineCache)  # bounded: see PipelineCache
     layouts: dict = field(default_factory=dict)
     scratch: tuple | None = None  # partials scratch buffers (o, ml), reused across calls
     pool: dict = field(default_factory=dict)  # per-call buffers by role, reused and grown

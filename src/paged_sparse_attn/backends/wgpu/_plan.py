@@ -123,7 +123,12 @@ def workgroup_bytes(D: int, TK: int, RMAX: int, TD: int, kv_itemsize: int) -> in
 
 def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int, kv_itemsize: int,
                     wg_size: int, wg_storage: int, max_tk: int = MAX_TK, max_rmax: int = MAX_RMAX) -> Geometry:
-    """Largest tile that fits the device's workgroup memory (checked here: wgpu does not)."""
+    """Largest tile that fits the device's workgroup memory (checked here: wgpu does not).
+
+    ``rows_needed`` is rounded up to a power of two: RMAX is a pipeline constant, and a value per
+    selection pattern would compile (and cache) a new pipeline for nearly every call.
+    """
+    rows_needed = 1 << max(0, int(rows_needed) - 1).bit_length()
     TD = -(-D // 4)
     if TD > wg_size:
         raise UnsupportedError(f"backend 'wgpu': head_dim {D} needs a workgroup size >= {TD} [R18]")
