@@ -35,7 +35,7 @@ def _check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
 
 def _index_checks(backend: Backend, fn: str, p: IndexProblem) -> None:
     dev = _check_owner(backend, fn, p.index_k_cache)
-    check_capabilities(backend, fn, dtypes=(p.index_q.dtype, np.dtype(p.index_k_cache.dtype)),
+    check_capabilities(backend, fn, dtypes=(np.dtype(p.index_k_cache.dtype),),  # queries are widened exactly
                        head_dim=p.index_dim, page_size=p.page_size, block_size=p.block_size,
                        device_arrays=dev)
 
@@ -203,7 +203,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     k = check_topk(topk, fn, force_local=True)
     be = resolve_backend(backend, p.k_cache, p.v_cache, ip.index_k_cache)
     dev = _check_owner(be, fn, p.k_cache, p.v_cache)
-    check_capabilities(be, fn, dtypes=(p.q.dtype, p.cache_dtype), head_dim=p.head_dim,
+    check_capabilities(be, fn, dtypes=(p.cache_dtype,), head_dim=p.head_dim,
                        page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
     _index_checks(be, fn, ip)
 
