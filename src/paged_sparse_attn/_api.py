@@ -20,7 +20,8 @@ from .backends.base import Backend
 from .errors import UnsupportedError
 from .registry import resolve_backend
 
-__all__ = ["forward", "forward_partials", "combine_partials", "build_kvouter_index", "check_capabilities"]
+__all__ = ["forward", "forward_partials", "combine_partials", "build_kvouter_index", "check_capabilities",
+           "check_owner"]
 
 
 def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...], head_dim: int,
@@ -43,7 +44,8 @@ def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...
         raise UnsupportedError(f"{fn}(): backend {backend.name!r} cannot run this problem: {why} [R18]")
 
 
-def _check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
+def check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
+    """R18: device arrays must belong to the backend that runs the call; True if any is one."""
     dev = False
     for a in arrays:
         if isinstance(a, DeviceArray):
@@ -56,7 +58,7 @@ def _check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
 
 
 def _run_checks(backend: Backend, fn: str, p: Problem) -> None:
-    dev = _check_owner(backend, fn, p.k_cache, p.v_cache)
+    dev = check_owner(backend, fn, p.k_cache, p.v_cache)
     # q is any R7 dtype on every backend (backends widen it exactly); caches are capability-bound
     check_capabilities(backend, fn, dtypes=(p.cache_dtype,), head_dim=p.head_dim,
                        page_size=p.page_size, block_size=p.block_size, device_arrays=dev)

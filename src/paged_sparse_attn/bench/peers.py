@@ -63,7 +63,6 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=_dev())
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src), repeat)
-    del src, dst
     return 2 * nbytes / t
 
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from .._api import check_capabilities
+from .._api import check_capabilities, check_owner
 from .._index import build_index_arrays
-from .._types import DeviceArray
+
 from .._validation import check_float_array, validate_forward
 from ..backends.base import Backend
-from ..errors import DeviceError, UnsupportedError
+from ..errors import DeviceError
 from ..registry import resolve_backend
 from ._types import IndexProblem, TopkProblem
 from ._validation import check_topk, local_blocks, validate_block_scores, validate_select_topk
@@ -20,21 +20,8 @@ from ._validation import check_topk, local_blocks, validate_block_scores, valida
 __all__ = ["block_scores", "select_topk", "sparse_attention"]
 
 
-def _check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
-    """R18: device arrays must belong to the backend that runs the call; True if any is one."""
-    dev = False
-    for a in arrays:
-        if isinstance(a, DeviceArray):
-            dev = True
-            if a.backend is not backend:
-                raise UnsupportedError(
-                    f"{fn}(): a device array of {a.backend!r} was passed to backend {backend.name!r}; "
-                    "use the backend that holds it or pass host arrays [R18]")
-    return dev
-
-
 def _index_checks(backend: Backend, fn: str, p: IndexProblem) -> None:
-    dev = _check_owner(backend, fn, p.index_k_cache)
+    dev = check_owner(backend, fn, p.index_k_cache)
     check_capabilities(backend, fn, dtypes=(np.dtype(p.index_k_cache.dtype),),  # queries are widened exactly
                        head_dim=p.index_dim, page_size=p.page_size, block_size=p.block_size,
                        device_arrays=dev)
@@ -202,7 +189,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
                                block_size=p.block_size, softmax_scale=None, causal=p.causal, like=p)
     k = check_topk(topk, fn, force_local=True)
     be = resolve_backend(backend, p.k_cache, p.v_cache, ip.index_k_cache)
-    dev = _check_owner(be, fn, p.k_cache, p.v_cache)
+    dev = check_owner(be, fn, p.k_cache, p.v_cache)
     check_capabilities(be, fn, dtypes=(p.cache_dtype,), head_dim=p.head_dim,
                        page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
     _index_checks(be, fn, ip)
