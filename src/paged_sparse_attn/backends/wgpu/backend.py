@@ -689,7 +689,11 @@ class WgpuBackend(IndexBranchMixin, Backend):
                     b.destroy()
             usage = wgpu.BufferUsage.STORAGE
             o_buf = ctx.device.create_buffer(size=max(16, o_bytes), usage=usage, label="partials.o")
-            ml_buf = ctx.device.create_buffer(size=max(16, ml_bytes), usage=usage, label="partials.ml")
+            try:
+                ml_buf = ctx.device.create_buffer(size=max(16, ml_bytes), usage=usage, label="partials.ml")
+            except BaseException:
+                o_buf.destroy()  # nothing of a failed call stays allocated
+                raise
             have = ctx.scratch = (o_buf, ml_buf)
         return have
 

@@ -1,0 +1,90 @@
+"""wgpu backend: profiling methods of the GPU bench suite, pooled call buffers, geometry per call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import paged_sparse_attn as psa
+from paged_sparse_attn._index import build_index_arrays
+from paged_sparse_attn._validation import validate_forward
+
+from _problems import make_problem
+
+
+@pytest.fixture(scope="module")
+def WgpuBackend():
+    from paged_sparse_attn.backends.wgpu import WgpuBackend
+
+    avail = WgpuBackend.probe()
+    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
+    return WgpuBackend
+
+
+def _fwd(pr, backend, **kw):
+    return psa.forward(*pr.args, **pr.kwargs, backend=backend, **kw)
+
+
+def _problem_and_index(pr, k, v):
+    p = validate_forward("t", pr.q, k, v, pr.block_tables, pr.selected, pr.cu_seqlens_q, **pr.kwargs)
+    idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
+                             block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    return p, idx
+
+
+def test_profile_forward_times_every_pass_and_matches_forward(WgpuBackend):
+    be = WgpuBackend(required_limits="default")
+    args = make_problem(3, seqlens_q=(3, 2), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
+    kd, vd = be.upload_kv_cache(args.k_cache, args.v_cache)
+    p, idx = _problem_and_index(args, kd, vd)
+    ref = be.forward(p, idx)[0]
+    prof = be.profile_forward(p, idx, repeat=3)
+    assert prof["repeat"] == 3
+    if "timestamp-query" in be.capabilities.features:
+        assert prof["timer"] == "timestamp-query"
+        assert prof["partials_s"] > 0 and prof["combine_s"] > 0
+        assert prof["total_s"] >= prof["partials_s"] + prof["combine_s"] - 1e-9  # the span holds both
+    else:
+        assert prof["timer"] == "wall" and prof["total_s"] > 0
+    # profiling does not change results, and ordinary calls afterwards record no GPU times
+    out = be.forward(p, idx)[0]
+    assert np.array_equal(out, ref)
+    assert "gpu_total_s" not in be.last_timings
+
+
+def test_copy_bandwidth_is_positive_and_reports_its_timer(WgpuBackend):
+    be = WgpuBackend(required_limits="default")
+    bw = be.copy_bandwidth(1 << 20, repeat=2)
+    assert np.isfinite(bw) and bw > 0
+    want = "timestamp-query" if "timestamp-query" in be.capabilities.features else "wall"
+    assert be.last_timings["timer"] == want and be.last_timings["copy_bytes"] == 1 << 20
+
+
+def test_pooled_buffers_grow_and_shrink_across_calls_without_stale_data(WgpuBackend):
+    """A small call after a large one reuses larger pooled buffers: only its own rows come back."""
+    be = WgpuBackend(required_limits="default")
+    fresh = WgpuBackend(required_limits="default")
+    small = make_problem(5, seqlens_q=(1,), G=2, D=8, msb=2)
+    large = make_problem(6, seqlens_q=(4, 3, 2), G=2, D=8, msb=4)
+    for args in (small, large, small, large):
+        got = _fwd(args, be, return_lse=True)
+        want = _fwd(args, fresh if args is small else "numpy", return_lse=True)
+        if args is small:  # same device kind, fresh pool: the same bits
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        else:
+            np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+
+
+def test_geometry_is_chosen_per_call(WgpuBackend):
+    be = WgpuBackend()  # adapter limits: the shapes below fit without halving
+    decode = make_problem(7, seqlens_q=(1, 1), G=4, D=64, page_size=4, ppb=4, msb=3)
+    _fwd(decode, be)
+    g = be.last_timings["geometry"]
+    assert (g.WG, g.TK) == (128, 16)  # TK = min(64, block size 16)
+    prefill = make_problem(8, seqlens_q=(12,), G=4, D=64, page_size=4, ppb=4, msb=3, topk=3, used="full")
+    _fwd(prefill, be)
+    g = be.last_timings["geometry"]
+    assert g.WG == 256 and g.RMAX > 16
+    fixed = WgpuBackend(workgroup_size=64)
+    _fwd(prefill, fixed)
+    assert fixed.last_timings["geometry"].WG == 64
