@@ -26,6 +26,7 @@ from ..._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Par
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
+from ._decode import DECODE, KERNELS, choose_decode_geometry, decode_ineligible
 from ._device import DRIVER_HINT, INSTALL_HINT, DeviceContext, device_errors, open_device
 from ._index_branch import IndexBranchMixin
 from ._plan import (
@@ -90,6 +91,12 @@ class WgpuBackend(IndexBranchMixin, Backend):
         Device features not to request, e.g. ``("shader-f16",)`` (float16 is then unsupported).
     workgroup_size : int, optional
         Invocations per workgroup of the partials kernel (default 64, at least 64).
+    partials_kernel : {"auto", "generic", "decode"}
+        Partials kernel. ``"decode"``: ``psa_partials_decode.wgsl``, specialised for calls where
+        every selected (KV head, block) is read by exactly one query (one query per sequence);
+        a call it cannot run raises :class:`~paged_sparse_attn.UnsupportedError` naming why.
+        ``"generic"``: ``psa_partials.wgsl`` always. ``"auto"`` (default): decode when it applies,
+        else generic.
     timestamps : bool
         Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
         feature; ignored without it).
@@ -112,13 +119,19 @@ class WgpuBackend(IndexBranchMixin, Backend):
     def __init__(self, *, power_preference: str = "high-performance", required_limits: Any = "adapter",
                  max_binding_size: int | None = None, max_workgroups_per_dim: int | None = None,
                  disable_features: tuple[str, ...] = (), workgroup_size: int | None = None,
-                 timestamps: bool = False, max_device_bytes: int | None = None):
+                 timestamps: bool = False, max_device_bytes: int | None = None,
+                 partials_kernel: str = "auto"):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"WgpuBackend(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
         self._opts = dict(power_preference=power_preference, required_limits=required_limits,
                           max_binding_size=max_binding_size, max_workgroups_per_dim=max_workgroups_per_dim,
                           disable_features=tuple(disable_features), timestamps=bool(timestamps))
+        if partials_kernel not in ("auto", *KERNELS):
+            raise ValueError(f"WgpuBackend(): partials_kernel must be 'auto', 'generic' or 'decode', "
+                             f"got {partials_kernel!r}")
+        self._kernel = partials_kernel
+        self._kernel_override: str | None = None  # profile_forward(kernel=...)
         if max_device_bytes is not None and int(max_device_bytes) < 1:
             raise ValueError(f"WgpuBackend(): max_device_bytes must be >= 1, got {max_device_bytes}")
         self._max_bytes = None if max_device_bytes is None else int(max_device_bytes)
@@ -231,7 +244,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
             ro = {"type": wgpu.BufferBindingType.read_only_storage}
             rw = {"type": wgpu.BufferBindingType.storage}
             un = {"type": wgpu.BufferBindingType.uniform}
-            kinds = [un, ro, ro, ro, ro, rw, rw] if kernel == PARTIALS else [un, ro, ro, ro, rw, rw]
+            kinds = [un, ro, ro, ro, ro, rw, rw] if kernel in (PARTIALS, DECODE) else [un, ro, ro, ro, rw, rw]
             entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": k}
                        for i, k in enumerate(kinds)]
             with device_errors(f"bind group layout of {kernel}"):
@@ -498,12 +511,14 @@ class WgpuBackend(IndexBranchMixin, Backend):
 
     # --- profiling ---------------------------------------------------------------------------------
 
-    def profile_forward(self, problem: Problem, index: KVOuterIndex, repeat: int = 20) -> dict:
+    def profile_forward(self, problem: Problem, index: KVOuterIndex, repeat: int = 20,
+                        kernel: str | None = None) -> dict:
         """GPU time of :meth:`forward` on ``problem`` from timestamp queries (median of ``repeat``).
 
         Every pass of a forward call is timed (partials, merge); the caches should already be
         device-resident, so no upload is included. The first call (pipeline compilation) is not
-        counted.
+        counted. ``kernel`` (``"auto"``, ``"generic"`` or ``"decode"``) overrides the
+        backend's ``partials_kernel`` for these calls.
 
         Returns
         -------
@@ -511,19 +526,25 @@ class WgpuBackend(IndexBranchMixin, Backend):
             ``total_s`` (first pass start to last pass end), ``partials_s`` and ``combine_s``
             (sums over their passes), ``wall_s`` (median host time of a whole call), ``repeat``,
             ``timer`` (``"timestamp-query"``, or ``"wall"`` when the device has no timestamps:
-            then the three GPU times are the host time around submit and wait).
+            then the three GPU times are the host time around submit and wait), ``kernel`` (the
+            partials kernel that ran).
         """
+        if kernel is not None and kernel not in ("auto", *KERNELS):
+            raise ValueError(f"profile_forward(): kernel must be 'auto', 'generic' or 'decode', got {kernel!r}")
         runs = []
-        self._profiling = True
-        try:
-            for i in range(int(repeat) + 1):
-                t0 = time.perf_counter()
-                self.forward(problem, index)
-                wall = time.perf_counter() - t0
-                if i:
-                    runs.append((dict(self.last_timings), wall))
-        finally:
-            self._profiling = False
+        with self._lock:  # the flags below apply to this thread's calls only
+            self._profiling = True
+            self._kernel_override = kernel
+            try:
+                for i in range(int(repeat) + 1):
+                    t0 = time.perf_counter()
+                    self.forward(problem, index)
+                    wall = time.perf_counter() - t0
+                    if i:
+                        runs.append((dict(self.last_timings), wall))
+            finally:
+                self._profiling = False
+                self._kernel_override = None
         ts = all("gpu_total_s" in t for t, _ in runs) and bool(runs)
         med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
         if ts:
@@ -533,8 +554,11 @@ class WgpuBackend(IndexBranchMixin, Backend):
         else:
             total = part = med([t.get("gpu_wait_s", 0.0) for t, _ in runs])
             comb = 0.0
+        samples = [(t.get("gpu_total_s"), t.get("gpu_partials_s"), t.get("gpu_merge_s")) for t, _ in runs]
         return dict(total_s=total, partials_s=part, combine_s=comb, wall_s=med([w for _, w in runs]),
-                    repeat=len(runs), timer="timestamp-query" if ts else "wall")
+                    samples=samples,
+                    repeat=len(runs), timer="timestamp-query" if ts else "wall",
+                    kernel=runs[-1][0].get("kernel") if runs else None)
 
     def copy_bandwidth(self, nbytes: int = 1 << 28, repeat: int = 10) -> float:
         """Device copy bandwidth in bytes/s (bytes read plus bytes written), median of ``repeat``.
@@ -640,10 +664,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
         layout, upload = self._cache_layout(problem, view, fn)
         t1 = time.perf_counter()
         # plan everything and check the memory it needs before allocating anything
-        geom = choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
-                               rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=layout.itemsize,
-                               wg_storage=ctx.workgroup_storage,
-                               **{**self._shape(ctx, G * max(1, view.max_slot_edges)), **self._tune})
+        geom = self._geometry(ctx, view, D, G, layout.itemsize, fn)
         plans = (plan_forward if mode == "forward" else plan_partials)(view, geom, layout.slab_map(), ctx.binding_size)
         upload_bytes = {"none": 0, "k": 1, "v": 1, "both": 2}[upload] * _layout_bytes(layout)
         self._check_budget(fn, {"cache upload": upload_bytes, **self._call_bytes(ctx, plans, geom)})
@@ -655,13 +676,35 @@ class WgpuBackend(IndexBranchMixin, Backend):
             self._execute(ctx, plans, q_rows, geom, layout, kbufs, vbufs, float(problem.softmax_scale),
                           normalize=(mode == "forward"), o=o, ml=ml, timings=timings)
             timings.update(cache_s=(t1 - t0) + (t3 - t2), plan_s=t2 - t1, total_s=time.perf_counter() - t0,
-                           batches=len(plans), chunks=layout.n_chunks, geometry=geom)
+                           batches=len(plans), chunks=layout.n_chunks, geometry=geom,
+                           kernel=getattr(geom, "kernel", PARTIALS))
         finally:
             for b in temps:
                 try:
                     b.destroy()
                 except Exception:
                     pass
+
+    def _geometry(self, ctx: DeviceContext, view: IndexView, D: int, G: int, itemsize: int, fn: str) -> Geometry:
+        """Geometry of the partials kernel of a call: decode or generic (``partials_kernel``)."""
+        index = view.index
+        want = self._kernel_override or self._kernel
+        if want != "generic":
+            why = decode_ineligible(D=D, max_slot_edges=view.max_slot_edges, wg_limit=ctx.max_invocations)
+            if why is None:
+                try:
+                    return choose_decode_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
+                                                  kv_itemsize=itemsize, wg_storage=ctx.workgroup_storage,
+                                                  wg_limit=ctx.max_invocations, wg_size=self._wg)
+                except UnsupportedError as exc:
+                    why = str(exc)
+            if want == "decode":
+                raise UnsupportedError(f"{fn}(): backend 'wgpu' cannot use the decode partials kernel: {why}; "
+                                       "use partials_kernel='auto' or 'generic' [R18]")
+        return choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
+                               rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=itemsize,
+                               wg_storage=ctx.workgroup_storage,
+                               **{**self._shape(ctx, G * max(1, view.max_slot_edges)), **self._tune})
 
     def _shape(self, ctx: DeviceContext, rows_needed: int) -> dict:
         """Workgroup size and tile cap of the partials kernel for a call.
@@ -746,9 +789,10 @@ class WgpuBackend(IndexBranchMixin, Backend):
         S_ = wgpu.BufferUsage.STORAGE
         t_enc = time.perf_counter()
         try:
-            what = f"{'forward' if normalize else 'forward_partials'} ({PARTIALS}, {MERGE})"
+            kernel = getattr(geom, "kernel", PARTIALS)
+            what = f"{'forward' if normalize else 'forward_partials'} ({kernel}, {MERGE})"
             with device_errors(what, **sizes):
-                pipe_p, bgl_p = self._pipeline(PARTIALS, f16, geom.constants())
+                pipe_p, bgl_p = self._pipeline(kernel, f16, geom.constants())
                 pipe_m, bgl_m = self._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
