@@ -373,8 +373,8 @@ def _resident(backend, kw: dict):
 
 def _check_invalid(backend, case: Case) -> None:
     kw, rule, what = case.kwargs, case.rule, case.what
-    resident = _resident(backend, {**kw, **{n: case.base.kwargs()[n] for n in ("k_cache", "v_cache")}}) \
-        if not case.changed & {"k_cache", "v_cache"} else None
+    # the base problem's caches, device-resident, when the corruption is elsewhere
+    resident = None if case.changed & {"k_cache", "v_cache"} else _resident(backend, case.base.kwargs())
     try:
         with no_device_work(backend) as hits:
             _spec_error(lambda: psa.forward(**kw, backend=backend), ("forward",), rule, what)
@@ -619,11 +619,14 @@ def test_R13_a_rebuilt_index_passes_and_is_exact(backend):
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("cache", ["k", "v"])
-def test_R11_non_finite_attended_data_reaches_only_the_rows_that_attend_it(backend, cache, value):
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_R11_non_finite_attended_data_reaches_only_the_rows_that_attend_it(backend, shape, cache, value):
     """A NaN/Inf in an attended cache cell gives exactly the reference's non-finite pattern:
     NaN in K makes the whole (t, hq) row and its lse NaN, NaN in V dimension d makes out[t, hq, d]
-    NaN; rows that do not attend the cell are untouched (never silently dropped or zeroed)."""
-    pb = make_problem(11, seqlens_q=(3, 2), Hkv=2, G=2, D=4, page_size=2, ppb=2, msb=3, used="full",
+    NaN; rows that do not attend the cell are untouched (never silently dropped or zeroed).
+    "decode" (one query per sequence) is the shape GPU backends may run with a special kernel."""
+    seqlens, G = ((3, 2), 2) if shape == "prefill" else ((1, 1, 1), 4)
+    pb = make_problem(11, seqlens_q=seqlens, Hkv=2, G=G, D=4, page_size=2, ppb=2, msb=3, used="full",
                       poison=False, hole_prob=0.0)
     mask = attended_mask(pb)  # [Tq, Hkv, pos]
     t, h, pos = (int(x[0]) for x in np.nonzero(mask))  # the first attended cell
@@ -691,3 +694,12 @@ def test_R16_merge_states_propagates_nan():
     assert np.isnan(mo[0]).all() and np.isnan(ml[0])
     mo, ml = psa.merge_states(o, lse, o, np.full(2, -np.inf, np.float32))
     np.testing.assert_array_equal(mo, o)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "none", "scalar", "string"])
+def test_R17_merge_states_refuses_bad_states_cleanly(bad):
+    o = np.ones((3, 2, 4), np.float32)
+    lse = np.zeros((3, 2), np.float32)
+    args = {"shape": (o, lse, o[:, :1], lse), "dtype": (o.astype(np.int32), lse, o, lse),
+            "none": (o, None, o, lse), "scalar": (o, lse, 1.0, lse), "string": (o, lse, o, "lse")}[bad]
+    _spec_error(lambda: psa.merge_states(*args), ("merge_states",), "R16", f"merge_states with a bad {bad}")

@@ -56,12 +56,6 @@ def live_buffers() -> int:
     return wgpu_object_counts().get("Buffer", 0)
 
 
-def _native_device_class():
-    from wgpu.backends import wgpu_native
-
-    return wgpu_native.GPUDevice
-
-
 class Allocations:
     """Buffers created (and destroyed) inside an :func:`allocations` block."""
 
@@ -162,8 +156,12 @@ def test_R18_a_row_too_big_for_one_binding_is_refused_before_allocation(WgpuBack
     small.close()
 
 
-def test_R18_max_device_bytes_refuses_before_allocation_with_bytes_needed_and_available(WgpuBackend):
-    pb = make_problem(2, seqlens_q=(3, 2), D=8, poison=False)
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_R18_max_device_bytes_refuses_before_allocation_with_bytes_needed_and_available(WgpuBackend, shape):
+    """The budget check announces what the call will allocate, to the byte, for either partials
+    kernel (decode-shaped calls, one query per sequence, may run a specialised one)."""
+    seqlens, G = ((3, 2), 2) if shape == "prefill" else ((1, 1, 1), 4)
+    pb = make_problem(2, seqlens_q=seqlens, G=G, D=8, poison=False)
     tiny = WgpuBackend(required_limits="default", max_device_bytes=1)
     with no_device_work(methods=()) as hits, pytest.raises(UnsupportedError) as info:
         psa.forward(*pb.args, **pb.kwargs, backend=tiny)
@@ -484,3 +482,28 @@ def test_soak_500_mixed_calls_keep_memory_buffers_and_pipelines_bounded(be):
     if rss[0]:
         assert rss[-1] - rss[warm] < 48 * mib, (
             f"resident memory grew by {(rss[-1] - rss[warm]) / mib:.1f} MiB after warm-up")
+
+
+@pytest.mark.parametrize("bad", ["3-D cache", "float64 cache", "k and v differ", "page id >= P", "page shape"])
+def test_R17_uploads_and_page_updates_refuse_bad_input_before_device_work(be, bad):
+    pb = make_problem(8, seqlens_q=(2,), D=8, poison=False)
+    k, v = pb.k_cache, pb.v_cache
+    kd, vd = be.upload_kv_cache(k, v)
+    P = k.shape[0]
+    calls = {
+        "3-D cache": (lambda: be.upload_kv_cache(k[:, 0], v[:, 0]), "R1"),
+        "float64 cache": (lambda: be.upload_kv_cache(k.astype(np.float64), v.astype(np.float64)), "R7"),
+        "k and v differ": (lambda: be.upload_kv_cache(k, v[:-1]), "R1"),
+        "page id >= P": (lambda: be.update_pages(kd, vd, [P], k[:1], v[:1]), "R2"),
+        "page shape": (lambda: be.update_pages(kd, vd, [0], k[:1, :, :1], v[:1, :, :1]), "R1"),
+    }
+    call, rule = calls[bad]
+    try:
+        with no_device_work(methods=()) as hits, pytest.raises(psa.SpecError) as info:
+            call()
+        assert not hits, f"{hits[0]} ran before the refusal"
+        assert info.value.rule == rule and str(info.value).endswith(f"[{rule}]"), str(info.value)
+        assert kd.to_numpy().tobytes() == k.tobytes()  # the resident cache is unchanged
+    finally:
+        kd.release()
+        vd.release()

@@ -3,11 +3,15 @@
 Per workload and implementation the row reports seconds per call, the effective bandwidth on
 the K/V bytes the problem needs (``needed_kv_bytes``), the achieved FLOP rate on the attended
 work, and ratios: ``floor_s / time`` (share of the memory floor, where the floor is needed bytes
-over the copy bandwidth measured in this run) and ``peer_s / time`` for every peer.
+over the copy bandwidth measured in this run) and ``peer_s / time`` for every peer. Backends
+whose ``profile_forward`` takes a ``kernel=`` override (wgpu) report, on decode-like workloads
+(one query per sequence), ``<backend>[generic]_s`` as well: the same call with the generic
+partials kernel, next to ``<backend>_s`` (the automatic choice, named in ``<backend>_kernel``).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Callable, Sequence
 
@@ -64,6 +68,14 @@ def _wall(fn: Callable[[], object], repeat: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
+
+
+def _takes_kernel(be) -> bool:
+    """Whether ``be.profile_forward`` accepts a ``kernel=`` override (the wgpu backend does)."""
+    try:
+        return "kernel" in inspect.signature(be.profile_forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _device_backends(names: Sequence[str] | None) -> list:
@@ -129,8 +141,18 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             row[f"{be.name}_timer"] = prof.get("timer")
             row[f"{be.name}_GBps"] = needed / t / 1e9
             row[f"{be.name}_TFLOPs"] = flops / t / 1e12
+            if prof.get("kernel"):
+                row[f"{be.name}_kernel"] = prof["kernel"]
             if bw:
                 row[f"{be.name}_floor_ratio"] = needed / bw / t
+            if w.Tq_per_seq == 1 and _takes_kernel(be):
+                # decode-like: also time the generic partials kernel, next to the automatic choice
+                say(f"{w.name}: {be.name} generic kernel")
+                gen = be.profile_forward(p, idx, repeat=repeat, kernel="generic")
+                row[f"{be.name}[generic]_s"] = gen["total_s"]
+                row[f"{be.name}[generic]_partials_s"] = gen.get("partials_s")
+                if bw:
+                    row[f"{be.name}[generic]_floor_ratio"] = needed / bw / gen["total_s"]
             say(f"{w.name}: {be.name} forward() end to end")
             e2e = _wall(lambda: forward(**args, backend=be), max(2, repeat // 4))
             row[f"{be.name}_e2e_s"] = e2e

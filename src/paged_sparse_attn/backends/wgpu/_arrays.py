@@ -63,6 +63,12 @@ class CacheLayout:
     def n_chunks(self) -> int:
         return int(self.chunk_starts.shape[0]) - 1
 
+    @property
+    def device_bytes(self) -> int:
+        """Bytes of the device buffers of one cache in this layout, as :func:`upload_slabs` makes them."""
+        n = np.diff(self.chunk_starts.astype(np.int64))
+        return int(np.maximum(16, n * self.slab_bytes).sum())
+
     def slab_map(self) -> SlabMap:
         return SlabMap(self.chunk_starts, self.slab_ids)
 

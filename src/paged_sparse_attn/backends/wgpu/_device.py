@@ -79,7 +79,8 @@ REPORTED_LIMITS = (
 
 # Features the backend uses when the adapter has them. timestamp-query is always requested (it
 # costs nothing until a query set is written; profiling and copy_bandwidth need it); subgroup
-# enables the subgroup reductions of the decode kernel (a workgroup-memory fallback exists).
+# is requested for future subgroup paths (today every kernel, decode included, uses workgroup
+# memory only and runs without it).
 WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
 
 

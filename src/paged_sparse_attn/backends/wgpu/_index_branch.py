@@ -158,8 +158,11 @@ class IndexBranchMixin:
         with self._lock:
             ctx = self._device()
             layout = CacheLayout.make(ik.shape, ik.dtype, ctx.binding_size)
-            return WgpuArray(self, layout, upload_slabs(ctx.device, ik, layout, "index_k_cache"),
-                             self._generation, "index_k_cache")
+            self._check_budget(fn, {"index_k_cache": layout.device_bytes})  # max_device_bytes
+            arr = WgpuArray(self, layout, upload_slabs(ctx.device, ik, layout, "index_k_cache"),
+                            self._generation, "index_k_cache")
+            self._resident.add(arr)
+            return arr
 
     def block_scores(self, problem) -> np.ndarray:
         """Block scores of R22 on the device; float32 ``[Tq, Hkv, msb]`` (see ``psa_block_scores.wgsl``)."""

@@ -1,0 +1,216 @@
+"""The decode partials kernel of the wgpu backend (``psa_partials_decode.wgsl``).
+
+Every test forces ``partials_kernel="decode"`` (so an ineligible problem fails instead of silently
+running the generic kernel) and checks the kernel that ran from ``last_timings["kernel"]``.
+Problems are decode problems: one query per sequence, so every (KV head, block) slot group has
+exactly one edge. Devices use WebGPU's default limits (16 KiB workgroup memory). Tolerances
+come from the dtype (R20).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import paged_sparse_attn as psa
+from paged_sparse_attn.errors import UnsupportedError
+
+from _problems import assert_close_to_reference, make_problem, tolerance
+
+DECODE = "psa_partials_decode.wgsl"
+GENERIC = "psa_partials.wgsl"
+
+
+@pytest.fixture(scope="module")
+def WgpuBackend():
+    from paged_sparse_attn.backends.wgpu import WgpuBackend
+
+    avail = WgpuBackend.probe()
+    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
+    return WgpuBackend
+
+
+@pytest.fixture(scope="module")
+def dec(WgpuBackend):
+    return WgpuBackend(required_limits="default", partials_kernel="decode")
+
+
+@pytest.fixture(scope="module")
+def gen(WgpuBackend):
+    return WgpuBackend(required_limits="default", partials_kernel="generic")
+
+
+@pytest.fixture(scope="module")
+def dec_split(WgpuBackend):
+    """Cache chunks of at most 4 KiB (blocks span chunks) and 2 x 2 workgroup grids."""
+    return WgpuBackend(required_limits="default", partials_kernel="decode", max_binding_size=4096,
+                       max_workgroups_per_dim=2)
+
+
+def _index(pb):
+    return psa.build_kvouter_index(pb.selected, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens,
+                                   **pb.index_kwargs())
+
+
+def _check(pb, backend, kernel=DECODE):
+    """backend == dense_reference and == numpy backend (dtype tolerance); returns (out, lse)."""
+    dtype = pb.k_cache.dtype
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
+    out, lse = psa.forward(*pb.args, **pb.kwargs, backend=backend, return_lse=True)
+    if _index(pb).num_edges:
+        assert backend.last_timings["kernel"] == kernel
+    assert_close_to_reference(out, ref, dtype, lse=lse, ref_lse=ref_lse, what="wgpu decode kernel")
+    out_np, lse_np = psa.forward(*pb.args, **pb.kwargs, backend="numpy", return_lse=True)
+    atol = tolerance(np.float32) * max(1.0, float(np.abs(out_np).max(initial=0.0)))
+    np.testing.assert_allclose(out, out_np, rtol=0, atol=atol)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_np))
+    return out, lse
+
+
+def _assert_partials_close(a, b):
+    """Same empty rows (l == 0, m = -inf, o = 0); float32-close elsewhere (R14)."""
+    np.testing.assert_array_equal(a.l == 0, b.l == 0)
+    np.testing.assert_array_equal(np.isneginf(a.m), np.isneginf(b.m))
+    empty = b.l == 0
+    assert (a.o[empty] == 0).all() and (b.o[empty] == 0).all()
+    tol = tolerance(np.float32)
+    np.testing.assert_allclose(a.m[~empty], b.m[~empty], rtol=tol, atol=tol)
+    np.testing.assert_allclose(a.l[~empty], b.l[~empty], rtol=tol)
+    np.testing.assert_allclose(a.o, b.o, rtol=0, atol=tol * max(1.0, float(np.abs(b.o).max(initial=0.0))))
+
+
+# (G, D, page_size, pages per block, dtype): every G and D of the grid, every page size and
+# block of 1..4 pages, both cache dtypes; the combinations keep lavapipe's compile count low.
+GRID = [
+    (1, 1, 1, 1, np.float32),
+    (3, 5, 16, 2, np.float32),
+    (8, 64, 16, 3, np.float16),
+    (16, 128, 1, 4, np.float32),
+    (8, 256, 64, 1, np.float16),
+    (16, 5, 64, 2, np.float16),
+    (3, 128, 16, 4, np.float16),
+    (1, 256, 1, 3, np.float32),
+    (8, 1, 16, 1, np.float32),
+]
+
+
+@pytest.mark.parametrize("G,D,S,ppb,dtype", GRID)
+def test_R9_R10_R14_decode_kernel_matches_numpy_and_the_reference(dec, G, D, S, ppb, dtype):
+    # one query per sequence (incl. an empty sequence); random L_b (not multiples of the page or
+    # block), holes, -1 padding, rows that select nothing; unattended cells NaN/Inf-poisoned
+    msb = 3 if S * ppb <= 64 else 2
+    pb = make_problem(1000 + G * 7 + D + S + ppb, seqlens_q=(1, 1, 0, 1, 1), Hkv=2, G=G, D=D, page_size=S,
+                      ppb=ppb, msb=msb, dtype=dtype, used="random", hole_prob=0.2, fill=0.7)
+    pb.selected[1] = -1  # a query that selects nothing: an empty row
+    _check(pb, dec)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_R14_blocks_of_several_tiles_rescale_the_running_softmax(WgpuBackend, dtype):
+    # 64 invocations: tiles of at most 64 keys, so a 256-key block takes 4 tiles whose maxima
+    # differ (scale 1 spreads the scores); the running (m, l, o) must be rescaled between tiles
+    be = WgpuBackend(required_limits="default", partials_kernel="decode", workgroup_size=64)
+    pb = make_problem(41, seqlens_q=(1, 1, 1), Hkv=1, G=8, D=32, page_size=64, ppb=4, msb=2, dtype=dtype,
+                      used=[512, 300, 130], hole_prob=0.1, fill=1.0, softmax_scale=1.0)
+    _check(pb, be)
+    assert be.last_timings["geometry"].TK < pb.block_size
+
+
+def test_R9_lengths_not_multiples_of_page_or_block_and_past_length_poison(dec):
+    pb = make_problem(77, seqlens_q=(1, 1, 1, 1), Hkv=1, G=8, D=64, page_size=16, ppb=2, msb=3,
+                      dtype=np.float16, used=[1, 17, 33, 95], hole_prob=0.0, fill=1.0)
+    assert pb.notes["poisoned_cells"] > 0  # positions >= L_b hold NaN/Inf
+    _check(pb, dec)
+
+
+def test_R12_logits_near_minus_1e6_are_exact(dec):
+    # Integer data, scale 1: every score is -1e6 + j, exact in float32; one query per sequence.
+    S, D, B, P = 4, 2, 3, 6
+    rng = np.random.default_rng(12)
+    k = np.zeros((P, 1, S, D), dtype=np.float32)
+    k[..., 0] = -1000.0
+    k[..., 1] = rng.integers(0, 6, size=(P, 1, S))
+    v = rng.integers(-4, 5, size=(P, 1, S, D)).astype(np.float32)
+    q = np.tile(np.array([1000.0, 1.0], dtype=np.float32), (B, 2, 1))
+    bt = np.array([[2, 0], [3, 1], [5, 4]], dtype=np.int32)
+    sel = np.array([[[0, 1]], [[1, -1]], [[0, 1]]], dtype=np.int32)
+    args = (q, k, v, bt, sel, np.arange(B + 1, dtype=np.int32))
+    kw = dict(block_size=S, softmax_scale=1.0, used_kv_lens=np.array([8, 7, 5], dtype=np.int32))
+    ref, ref_lse = psa.dense_reference(*args, **kw)
+    out, lse = psa.forward(*args, **kw, backend=dec, return_lse=True)
+    assert dec.last_timings["kernel"] == DECODE
+    assert (ref_lse < -9.9e5).all() and (np.abs(ref).max(axis=-1) > 0).all()
+    assert_close_to_reference(out, ref, np.float32)
+    ulp = float(np.spacing(np.float32(1e6)))
+    assert np.abs(lse.astype(np.float64) - ref_lse).max() <= 2 * ulp
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_R14_split_bindings_and_small_grids(dec_split, dtype):
+    # 4 KiB chunks: blocks of 4 pages span chunks (per-chunk pieces merged); 2 x 2 grids: many
+    # dispatches and y > 0 workgroup ids
+    pb = make_problem(31, seqlens_q=(1,) * 6, Hkv=2, G=3, D=12, page_size=8, ppb=4, msb=3, dtype=dtype,
+                      used="random", hole_prob=0.15)
+    _check(pb, dec_split)
+    assert dec_split.last_timings["chunks"] > 1
+
+
+def test_R14_forward_partials_equal_the_generic_kernel(dec, gen):
+    pb = make_problem(5, seqlens_q=(1, 1, 1, 0, 1), Hkv=2, G=8, D=64, page_size=16, ppb=2, msb=3,
+                      dtype=np.float16, used="random")
+    idx = _index(pb)
+    p_dec = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend=dec)
+    assert dec.last_timings["kernel"] == DECODE
+    p_gen = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend=gen)
+    assert gen.last_timings["kernel"] == GENERIC
+    p_np = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend="numpy")
+    _assert_partials_close(p_dec, p_gen)
+    _assert_partials_close(p_dec, p_np)
+
+
+def test_R19_decode_kernel_is_bitwise_deterministic(dec):
+    pb = make_problem(9, seqlens_q=(1, 1, 1), Hkv=2, G=16, D=128, page_size=16, ppb=4, msb=2,
+                      dtype=np.float16, used="full", hole_prob=0.1)
+    a, la = psa.forward(*pb.args, **pb.kwargs, backend=dec, return_lse=True)
+    for _ in range(2):
+        b, lb = psa.forward(*pb.args, **pb.kwargs, backend=dec, return_lse=True)
+        assert a.tobytes() == b.tobytes() and la.tobytes() == lb.tobytes()
+
+
+def test_auto_picks_decode_for_one_query_per_sequence_and_generic_otherwise(WgpuBackend):
+    auto = WgpuBackend(required_limits="default")
+    pb = make_problem(3, seqlens_q=(1, 1), Hkv=1, G=8, D=16, page_size=4, ppb=2, msb=3, used="full", fill=1.0)
+    _check(pb, auto, DECODE)
+    # two queries of one sequence select the same block: a slot group with two edges
+    pf = make_problem(3, seqlens_q=(2, 1), Hkv=1, G=8, D=16, page_size=4, ppb=2, msb=3, used="full", fill=1.0)
+    assert np.diff(_index(pf).slot_ptr).max() > 1
+    _check(pf, auto, GENERIC)
+
+
+def test_R18_forced_decode_on_a_prefill_problem_raises_naming_why(dec):
+    pf = make_problem(3, seqlens_q=(2, 1), Hkv=1, G=4, D=8, page_size=4, ppb=2, msb=3, used="full", fill=1.0)
+    with pytest.raises(UnsupportedError, match="decode.*one query"):
+        psa.forward(*pf.args, **pf.kwargs, backend=dec)
+
+
+def test_partials_kernel_option_is_validated(WgpuBackend):
+    with pytest.raises(ValueError, match="partials_kernel"):
+        WgpuBackend(required_limits="default", partials_kernel="fast")
+
+
+def test_profile_forward_kernel_override_times_both_kernels(WgpuBackend):
+    from paged_sparse_attn._validation import validate_forward
+
+    be = WgpuBackend(required_limits="default")
+    pb = make_problem(4, seqlens_q=(1, 1, 1), Hkv=2, G=8, D=16, page_size=4, ppb=2, msb=3, used="full")
+    p = validate_forward("bench", *pb.args, **pb.kwargs)
+    idx = _index(pb)
+    auto = be.profile_forward(p, idx, repeat=1)
+    generic = be.profile_forward(p, idx, repeat=1, kernel="generic")
+    assert auto["kernel"] == DECODE and generic["kernel"] == GENERIC
+    assert auto["total_s"] > 0 and generic["total_s"] > 0
+    # the override ends with the call
+    psa.forward(*pb.args, **pb.kwargs, backend=be)
+    assert be.last_timings["kernel"] == DECODE
+    with pytest.raises(ValueError, match="kernel"):
+        be.profile_forward(p, idx, repeat=1, kernel="fast")
