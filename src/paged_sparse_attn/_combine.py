@@ -9,16 +9,19 @@ from ._types import KVOuterIndex, Partials
 __all__ = ["combine_partials_numpy"]
 
 
-def combine_partials_numpy(partials: Partials, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+def combine_partials_numpy(partials: Partials, index: KVOuterIndex, *,
+                           o_row: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Combine per-edge partials into ``out`` [Tq, Hq, D] and ``lse`` [Tq, Hq], float32 (R15).
 
     The edges of a row are at most ``topk``; the combine walks them in *layers* (the j-th edge of
     every row that has one), so each step is a dense, contiguous update of all rows, and the sum
     order is the rank order of ``selected`` (deterministic, R19). A row whose edges all have
-    ``m = -inf`` (or that has no edge) gives ``out = 0``, ``lse = -inf`` (R11).
+    ``m = -inf`` (or that has no edge) gives ``out = 0``, ``lse = -inf`` (R11). ``o_row``, when
+    given, maps edge e to its row of ``partials.o`` (a backend's padded buffer).
     """
     o, m, l = partials.o, partials.m, partials.l
-    E, G, D = o.shape
+    E, G = m.shape
+    D = o.shape[2]
     Tq, Hkv = index.num_queries, index.num_kv_heads
     R = Tq * Hkv
     counts = np.diff(index.row_ptr)
@@ -42,7 +45,7 @@ def combine_partials_numpy(partials: Partials, index: KVOuterIndex) -> tuple[np.
         with np.errstate(invalid="ignore", over="ignore"):
             w = np.where(m_e > -np.inf, np.exp(m_e - Ms[rows]), 0).astype(np.float32)  # exp(m_e - M)
         lsum[rows] += w * np.take(l, e, axis=0)
-        acc[rows] += w[..., None] * np.take(o, e, axis=0)
+        acc[rows] += w[..., None] * np.take(o, e if o_row is None else o_row[e], axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(ok[..., None], acc / np.where(ok, lsum, 1)[..., None], 0).astype(np.float32)
         lse = np.where(ok, M + np.log(np.where(ok, lsum, 1)), -np.inf).astype(np.float32)

@@ -47,16 +47,32 @@ class NumpyBackend(Backend):
             device="cpu (numpy)",
         )
 
-    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+    @staticmethod
+    def _check_host(problem: Problem) -> None:
         for arr in (problem.k_cache, problem.v_cache):
             if isinstance(arr, DeviceArray):
                 raise UnsupportedError(
                     "backend 'numpy' cannot read a device-resident cache; pass numpy arrays or use "
                     f"the backend that holds it ({arr.backend!r}) [R18]"
                 )
-        return kvouter_partials(problem.q, problem.k_cache, problem.v_cache, index, problem.softmax_scale)
 
-    # index branch (R21-R24) lives in its own module
+    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+        self._check_host(problem)
+        return kvouter_partials(problem.q, problem.k_cache, problem.v_cache, index, problem.softmax_scale)[0]
+
+    def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+        """Partials then combine, without scattering o into edge order: each chunk's P @ V
+        writes straight into a padded buffer and the combine reads it through a row map."""
+        if type(self).forward_partials is not NumpyBackend.forward_partials:
+            return super().forward(problem, index)  # a subclass's partials must be the ones used
+        self._check_host(problem)
+        parts, o_row = kvouter_partials(problem.q, problem.k_cache, problem.v_cache, index,
+                                        problem.softmax_scale, padded=True)
+        from .._combine import combine_partials_numpy
+
+        return combine_partials_numpy(parts, index, o_row=o_row)
+
+    # index branch (R21-R25) lives in its own module
     def block_scores(self, problem):
         from ..index_branch.numpy_impl import block_scores_numpy
 
@@ -85,19 +101,23 @@ def _chunks(counts: np.ndarray, G: int, BS: int, D: int) -> list[tuple[int, np.n
 
 
 def kvouter_partials(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, index: KVOuterIndex,
-                     scale: float) -> Partials:
-    """Compute R14 partials for every edge of ``index``; see the module docstring."""
+                     scale: float, *, padded: bool = False) -> tuple[Partials, np.ndarray | None]:
+    """Compute R14 partials for every edge of ``index``; see the module docstring.
+
+    Returns ``(partials, o_row)``. With ``padded=False``, ``partials.o`` is [E, G, D] in edge
+    order and ``o_row`` is None. With ``padded=True``, ``partials.o`` is the chunks' padded output
+    buffer and edge e's rows are ``partials.o[o_row[e]]`` (no scatter into edge order).
+    """
     Tq, Hq, D = q.shape
     Hkv = index.num_kv_heads
     G = Hq // Hkv
     E = index.num_edges
     BS, S = index.block_size, index.page_size
     ppb = BS // S
-    o = np.zeros((E, G, D), dtype=np.float32)
     m = np.full((E, G), -np.inf, dtype=np.float32)
     l = np.zeros((E, G), dtype=np.float32)
     if E == 0 or k_cache.shape[0] == 0:  # P = 0: every page is unmapped (R2), every edge empty
-        return Partials(o, m, l)
+        return Partials(np.zeros((E, G, D), dtype=np.float32), m, l), (np.arange(E) if padded else None)
 
     # fold the scale into q once, instead of into every score
     qg = q.reshape(Tq, Hkv, G, D).astype(np.float32) * np.float32(scale)
@@ -106,13 +126,24 @@ def kvouter_partials(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, in
     offs = np.arange(BS, dtype=np.int64)
     # NaN/Inf in attended data propagate to their rows only (IEEE), silently as in numpy's
     # own reductions; masked positions never reach the arithmetic.
+    chunks = _chunks(counts, G, BS, D)
+    if padded:
+        o = np.empty((sum(sl.shape[0] * n for n, sl in chunks), G, D), dtype=np.float32)
+        o_row = np.empty(E, dtype=np.int64)
+    else:
+        o, o_row = np.zeros((E, G, D), dtype=np.float32), None
     with np.errstate(invalid="ignore", over="ignore"):
-        for n_max, sl in _chunks(counts, G, BS, D):
-            _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l)
-    return Partials(o, m, l)
+        off = 0
+        for n_max, sl in chunks:
+            dest = o[off:off + sl.shape[0] * n_max] if padded else None
+            _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l,
+                        dest=dest, o_row=o_row, off=off)
+            off += sl.shape[0] * n_max
+    return Partials(o, m, l), o_row
 
 
-def _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l):
+def _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb, S, o, m, l, *,
+                dest=None, o_row=None, off=0):
     ns = sl.shape[0]
     G, D = qg.shape[2], qg.shape[3]
     BS = ppb * S
@@ -153,7 +184,10 @@ def _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb,
     # Flush subnormal weights to 0: they change no float32 result (l >= 1) but make sgemm crawl.
     np.copyto(p, 0, where=p < np.finfo(np.float32).tiny)
     lsum = p.sum(axis=-1)
-    ov = np.matmul(p.reshape(ns, n_max * G, BS), V).reshape(ns, n_max, G, D)
+    if dest is None:
+        ov = np.matmul(p.reshape(ns, n_max * G, BS), V).reshape(ns, n_max, G, D)
+    else:  # write straight into the caller's padded buffer
+        ov = np.matmul(p.reshape(ns, n_max * G, BS), V, out=dest.reshape(ns, n_max * G, D)).reshape(ns, n_max, G, D)
 
     # V that is attended by some edge of the slot but not by others may hold NaN/Inf: P @ V
     # would then turn 0 * NaN into NaN for the edges that do not attend it. Redo those slots
@@ -167,6 +201,9 @@ def _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb,
                 ov[j, r] = p[j, r][:, a] @ Vj[a] if a.any() else 0
 
     idx = e[live]
-    o[idx] = ov[live]
+    if dest is None:
+        o[idx] = ov[live]
+    else:
+        o_row[idx] = off + np.flatnonzero(live.ravel())
     m[idx] = mx[live]
     l[idx] = lsum[live]
