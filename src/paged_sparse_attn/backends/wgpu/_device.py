@@ -135,6 +135,22 @@ class DeviceContext:
     scratch: tuple | None = None  # partials scratch buffers (o, ml), reused across calls
     pool: dict = field(default_factory=dict)  # per-call buffers by role, reused and grown
     bind_groups: dict = field(default_factory=dict)  # bind groups by (layout, resources)
+    ns_per_tick: float = 1.0  # timestamp period: resolved query values are ticks of this many ns
+
+
+def timestamp_period(device: Any) -> float:
+    """Nanoseconds per timestamp tick of ``device``'s queue (wgpu-native); 1.0 if it cannot tell.
+
+    WebGPU promises nanoseconds, but wgpu-native resolves raw ticks unless asked to normalise;
+    on the devices measured so far (NVIDIA Vulkan, lavapipe) the period is 1.0.
+    """
+    try:
+        from wgpu.backends.wgpu_native._ffi import lib
+
+        period = float(lib.wgpuQueueGetTimestampPeriod(device.queue._internal))
+        return period if period > 0 else 1.0
+    except Exception:
+        return 1.0
 
 
 def request_adapter(power_preference: str = "high-performance"):
@@ -232,6 +248,7 @@ def open_device(
         max_invocations=int(lim["max-compute-invocations-per-workgroup"]),
         uniform_align=max(256, int(lim.get("min-uniform-buffer-offset-alignment", 256))),
         generation=generation,
+        ns_per_tick=timestamp_period(device),
     )
 
 

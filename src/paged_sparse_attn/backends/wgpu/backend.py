@@ -608,7 +608,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
                             rb.map_sync(wgpu.MapMode.READ)
                             a, b = np.frombuffer(rb.read_mapped(), dtype=np.uint64).astype(np.int64)
                             rb.unmap()
-                            dt = (b - a) * 1e-9
+                            dt = (b - a) * ctx.ns_per_tick * 1e-9
                         else:
                             dev.queue.on_submitted_work_done_sync()
                             dt = time.perf_counter() - t0
@@ -901,11 +901,11 @@ class WgpuBackend(IndexBranchMixin, Backend):
                     rb_ts.map_sync(wgpu.MapMode.READ, 0, n_q * 8)
                     ts = np.frombuffer(rb_ts.read_mapped(0, n_q * 8), dtype=np.uint64).astype(np.int64).reshape(-1, 2)
                     rb_ts.unmap()
-                    dt = (ts[:, 1] - ts[:, 0]) * 1e-9
+                    dt = (ts[:, 1] - ts[:, 0]) * ctx.ns_per_tick * 1e-9
                     kinds = np.array(pass_kinds)
                     timings.update(gpu_partials_s=float(dt[kinds == "p"].sum()),
                                    gpu_merge_s=float(dt[kinds == "m"].sum()),
-                                   gpu_total_s=float((ts[:, 1].max() - ts[:, 0].min()) * 1e-9))
+                                   gpu_total_s=float((ts[:, 1].max() - ts[:, 0].min()) * ctx.ns_per_tick * 1e-9))
         finally:
             for b in mapped:  # a pooled readback buffer left mapped by an error would fail the next copy
                 try:
