@@ -5,6 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 export XDG_RUNTIME_DIR ?= /tmp
+export NO_MKDOCS_2_WARNING ?= 1
 
 .PHONY: setup demo test docs bench figures clean
 

@@ -9,6 +9,8 @@ hypothesis profile is ``ci`` when the environment variable ``CI`` is true, else 
 
 import sys
 
+import pytest
+
 from paged_sparse_attn.testing.profiles import load_default_profile, register_profiles
 
 _PLUGIN = "paged_sparse_attn.testing.pytest_plugin"
@@ -29,3 +31,14 @@ def pytest_configure(config):
 
     pytest_plugin.activate(config)
     load_default_profile(config)
+
+
+
+@pytest.fixture(scope="session")
+def WgpuBackend():
+    """The wgpu backend class; the tests that use it require it to be available (no skip)."""
+    from paged_sparse_attn.backends.wgpu import WgpuBackend
+
+    avail = WgpuBackend.probe()
+    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
+    return WgpuBackend

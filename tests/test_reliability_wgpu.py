@@ -35,15 +35,6 @@ from test_reliability import no_device_work
 
 
 @pytest.fixture(scope="module")
-def WgpuBackend():
-    from paged_sparse_attn.backends.wgpu import WgpuBackend
-
-    avail = WgpuBackend.probe()
-    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
-    return WgpuBackend
-
-
-@pytest.fixture(scope="module")
 def be(WgpuBackend):
     b = WgpuBackend(required_limits="default")
     yield b

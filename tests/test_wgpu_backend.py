@@ -27,15 +27,6 @@ SPLIT_BINDING = 2048
 
 
 @pytest.fixture(scope="session")
-def WgpuBackend():
-    from paged_sparse_attn.backends.wgpu import WgpuBackend
-
-    avail = WgpuBackend.probe()
-    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
-    return WgpuBackend
-
-
-@pytest.fixture(scope="session")
 def be(WgpuBackend):
     return WgpuBackend(required_limits="default")
 

@@ -22,15 +22,6 @@ GENERIC = "psa_partials.wgsl"
 
 
 @pytest.fixture(scope="module")
-def WgpuBackend():
-    from paged_sparse_attn.backends.wgpu import WgpuBackend
-
-    avail = WgpuBackend.probe()
-    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
-    return WgpuBackend
-
-
-@pytest.fixture(scope="module")
 def dec(WgpuBackend):
     return WgpuBackend(required_limits="default", partials_kernel="decode")
 

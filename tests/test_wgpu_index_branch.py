@@ -43,15 +43,6 @@ F32_EPS = float(np.finfo(np.float32).eps)
 
 
 @pytest.fixture(scope="session")
-def WgpuBackend():
-    from paged_sparse_attn.backends.wgpu import WgpuBackend
-
-    avail = WgpuBackend.probe()
-    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
-    return WgpuBackend
-
-
-@pytest.fixture(scope="session")
 def be(WgpuBackend):
     return WgpuBackend(required_limits="default")
 

@@ -12,15 +12,6 @@ from paged_sparse_attn._validation import validate_forward
 from _problems import make_problem
 
 
-@pytest.fixture(scope="module")
-def WgpuBackend():
-    from paged_sparse_attn.backends.wgpu import WgpuBackend
-
-    avail = WgpuBackend.probe()
-    assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
-    return WgpuBackend
-
-
 def _fwd(pr, backend, **kw):
     return psa.forward(*pr.args, **pr.kwargs, backend=backend, **kw)
 

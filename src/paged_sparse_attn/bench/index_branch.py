@@ -9,13 +9,13 @@ materialised in bf16.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .. import registry
 from ..index_branch import block_scores, select_topk
+from .gpu import _wall
 from .peers import cuda_time, torch_available
 
 __all__ = ["INDEX_WORKLOADS", "run_index"]
@@ -32,16 +32,6 @@ def _problem(L: int, Tq: int, *, Hkv=4, d=128, S=64, BS=128, seed=0):
     bt = rng.permutation(P).astype(np.int32)[None, :]
     return dict(index_q=iq, index_k_cache=ik, block_tables=bt, cu_seqlens_q=np.array([0, Tq], np.int32),
                 used_kv_lens=np.array([L], np.int32), block_size=BS)
-
-
-def _wall(fn, repeat):
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def torch_topk(p: dict, topk: int = 16, repeat: int = 10) -> float:
