@@ -21,7 +21,7 @@ GENERIC = "psa_partials.wgsl"
 DECODE = "psa_partials_decode.wgsl"
 KERNELS = {"generic": GENERIC, "decode": DECODE}
 MAX_NG = 16          # private accumulator arrays of the kernel hold 16 heads
-DECODE_WG = 128      # invocations per workgroup: one per key of a 128-key tile
+DECODE_WG = 64  # invocations per workgroup (one per key of a tile): the fastest of 64..1024 on the H200
 MAX_HEAD_DIM = 256
 
 
