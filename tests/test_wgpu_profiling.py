@@ -72,7 +72,9 @@ def test_geometry_is_chosen_per_call(WgpuBackend):
     decode = make_problem(7, seqlens_q=(1, 1), G=4, D=64, page_size=4, ppb=4, msb=3)
     _fwd(decode, be)
     g = be.last_timings["geometry"]
-    assert (g.WG, g.TK) == (128, 16)  # TK = min(64, block size 16)
+    from paged_sparse_attn.backends.wgpu._decode import DECODE_WG
+
+    assert (g.WG, g.TK) == (DECODE_WG, 16)  # the decode kernel's default size; TK = min(WG, block 16)
     prefill = make_problem(8, seqlens_q=(12,), G=4, D=64, page_size=4, ppb=4, msb=3, topk=3, used="full")
     _fwd(prefill, be)
     g = be.last_timings["geometry"]
