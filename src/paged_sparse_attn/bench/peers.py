@@ -66,11 +66,14 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10) -> float:
     return 2 * nbytes / t
 
 
+def _on_device(problem, torch, dtype):
+    """q, k_cache and v_cache of ``problem`` as torch tensors of ``dtype`` on the peer device."""
+    return tuple(torch.as_tensor(problem[k], device=_dev()).to(dtype) for k in ("q", "k_cache", "v_cache"))
+
+
 def _queries_dense(problem, torch, dtype):
     """Per sequence: q [1, Hq, T, D], full K/V [1, Hkv, L, D] (pages resolved), causal mask."""
-    q = torch.as_tensor(problem["q"], device=_dev()).to(dtype)
-    kc = torch.as_tensor(problem["k_cache"], device=_dev()).to(dtype)
-    vc = torch.as_tensor(problem["v_cache"], device=_dev()).to(dtype)
+    q, kc, vc = _on_device(problem, torch, dtype)
     bt = np.asarray(problem["block_tables"])
     cu = np.asarray(problem["cu_seqlens_q"])
     lens = np.asarray(problem["used_kv_lens"])
@@ -117,9 +120,7 @@ def gather_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -
     import torch.nn.functional as F
 
     dt = getattr(torch, dtype_name)
-    kc = torch.as_tensor(problem["k_cache"], device=_dev()).to(dt)
-    vc = torch.as_tensor(problem["v_cache"], device=_dev()).to(dt)
-    q = torch.as_tensor(problem["q"], device=_dev()).to(dt)
+    q, kc, vc = _on_device(problem, torch, dt)
     sel = np.asarray(problem["selected"])
     bt = np.asarray(problem["block_tables"])
     cu = np.asarray(problem["cu_seqlens_q"])
