@@ -76,6 +76,7 @@ override NRG: u32 = (RMAX + 3u) / 4u;  // row groups of 4
 override LD: u32 = (TK * TD + WG - 1u) / WG;
 override PS: u32 = TK + 1u - (TK & 1u);  // row stride of the score tile (odd: no bank conflicts)
 override QS: u32 = NRG | 1u;             // stride (in vec4s) of the transposed query tile (odd)
+override SL: u32 = max(1u, WG / RMAX);   // softmax invocations per row (rows >= WG / SL idle)
 const INVALID: u32 = 0xffffffffu;
 
 struct Params {
@@ -107,6 +108,9 @@ var<workgroup> row_len: array<u32, RMAX>;          // edge_len of the row's edge
 var<workgroup> row_m: array<f32, RMAX>;            // running max (meaningful when row_l > 0)
 var<workgroup> row_l: array<f32, RMAX>;            // running sum; 0 = nothing attended yet
 var<workgroup> row_a: array<f32, RMAX>;            // rescale factor of the current tile
+var<workgroup> red_m: array<f32, WG>;              // softmax: partial max per invocation
+var<workgroup> red_f: array<u32, WG>;              // 1: the invocation saw a valid key
+var<workgroup> red_l: array<f32, WG>;              // partial sum per invocation
 
 // Keys of the tile (starting at k0, nk keys) a row with edge_len `len` may attend: k < kend.
 fn tile_end(len: u32, k0: u32, nk: u32) -> u32 {
@@ -257,43 +261,73 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
 
-        // 3. Online softmax, one invocation per row; masked pairs get p = 0.
-        for (var r = tid; r < n_rows; r += WG) {
-            let kend = tile_end(row_len[r], k0, nk);
-            var tmax = 0.0;
-            var seen = false;
-            for (var k = 0u; k < kend; k++) {
-                if (key_src[cur + k] != INVALID) {
-                    let s = p_tile[r * PS + k];
-                    tmax = select(s, max(tmax, s), seen);
-                    seen = true;
-                }
+        // 3. Online softmax, SL invocations per row (a strided share of the tile's keys each):
+        //    partial maxima, then partial sums, go through workgroup memory once each and are
+        //    reduced by the row's first invocation in a fixed order; masked pairs get p = 0.
+        let sr = tid / SL;
+        let sl = tid - sr * SL;
+        var kend = 0u;
+        var m_old = 0.0;
+        var l_old = 0.0;
+        if (sr < n_rows) {
+            kend = tile_end(row_len[sr], k0, nk);
+            m_old = row_m[sr];
+            l_old = row_l[sr];
+        }
+        var lmax = 0.0;
+        var seen = false;
+        for (var k = sl; k < kend; k += SL) {
+            if (key_src[cur + k] != INVALID) {
+                let s = p_tile[sr * PS + k];
+                lmax = select(s, max(lmax, s), seen);
+                seen = true;
             }
-            var alpha = 1.0;
-            var m_new = 0.0;
-            if (seen) {
-                let l_old = row_l[r];
-                m_new = tmax;
-                alpha = 0.0;  // nothing attended before: the accumulators are still exactly 0
-                if (l_old > 0.0) {
-                    m_new = max(row_m[r], tmax);
-                    alpha = exp(row_m[r] - m_new);
-                }
+        }
+        red_m[tid] = lmax;
+        red_f[tid] = select(0u, 1u, seen);
+        workgroupBarrier();
+        var tmax = 0.0;
+        var found = false;
+        for (var i = 0u; i < SL; i++) {
+            let t = sr * SL + i;
+            if (red_f[t] != 0u) {
+                tmax = select(red_m[t], max(tmax, red_m[t]), found);
+                found = true;
             }
-            var sum = 0.0;
-            for (var k = 0u; k < nk; k++) {
+        }
+        var alpha = 1.0;
+        var m_new = 0.0;
+        if (found) {
+            m_new = tmax;
+            alpha = 0.0;  // nothing attended before: the accumulators are still exactly 0
+            if (l_old > 0.0) {
+                m_new = max(m_old, tmax);
+                alpha = exp(m_old - m_new);
+            }
+        }
+        var psum = 0.0;
+        if (sr < n_rows) {
+            for (var k = sl; k < nk; k += SL) {
                 var p = 0.0;
                 if (k < kend && key_src[cur + k] != INVALID) {
-                    p = exp(p_tile[r * PS + k] - m_new);
+                    p = exp(p_tile[sr * PS + k] - m_new);
                 }
-                p_tile[r * PS + k] = p;
-                sum += p;
+                p_tile[sr * PS + k] = p;
+                psum += p;
             }
-            if (seen) {
-                row_m[r] = m_new;
-                row_l[r] = row_l[r] * alpha + sum;
+        }
+        red_l[tid] = psum;
+        workgroupBarrier();
+        if (sr < n_rows && sl == 0u) {
+            if (found) {
+                var sum = 0.0;
+                for (var i = 0u; i < SL; i++) {
+                    sum += red_l[sr * SL + i];
+                }
+                row_m[sr] = m_new;
+                row_l[sr] = l_old * alpha + sum;
             }
-            row_a[r] = alpha;
+            row_a[sr] = alpha;
         }
         workgroupBarrier();
 
@@ -316,7 +350,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let pr2 = min(r2, NRG * 4u - 1u) * PS;
             let pr3 = min(r3, NRG * 4u - 1u) * PS;
             let emax = max(max(e0, e1), max(e2, e3));
-            for (var k = 0u; k < emax; k++) {
+            let emin = min(min(e0, e1), min(e2, e3));
+            // keys every row of the tile attends: plain FMAs; past the shortest row, a pair
+            // a row does not attend is excluded by select (V there may hold NaN: R10)
+            for (var k = 0u; k < emin; k++) {
+                let v = vec4<f32>(v_tile[k * TD + td]);
+                acc0 += p_tile[pr0 + k] * v;
+                acc1 += p_tile[pr1 + k] * v;
+                acc2 += p_tile[pr2 + k] * v;
+                acc3 += p_tile[pr3 + k] * v;
+            }
+            for (var k = emin; k < emax; k++) {
                 let v = vec4<f32>(v_tile[k * TD + td]);
                 let zero = vec4<f32>(0.0);
                 acc0 += select(zero, p_tile[pr0 + k] * v, k < e0);

@@ -1,6 +1,6 @@
 // psa_partials_decode.wgsl — KV-outer partials (R14) specialised for decode: one workgroup per
 // work item, the item's edges processed one after another (a decode item has one edge and up to
-// NG query heads of its slot group).
+// 8 query heads of its slot group: GQA packing, every K/V element is read once for all of them).
 //
 // Same bindings, Params record, plan layout and output format as psa_partials.wgsl (read its
 // header): work items of 8 u32 (max_len, n_e, g0, ng, erec, pages, prow0, -), edge records
@@ -8,29 +8,35 @@
 // chunk), slabs of S rows of TD vec4, unnormalised o [n_prows, D] and (m, l) [n_prows]; l == 0
 // means the row attended nothing (no infinity or sentinel is written).
 //
-// Per edge, the block is walked in tiles of TK key positions; per tile (4 barriers):
-//   A. scores: invocation k owns key position k0 + k: it locates the key's cache row (or flags
-//      it masked: past the edge's edge_len or on an INVALID page; a masked key is never read,
-//      R10) and computes the scaled dot products with all NG heads, reading its K row once as
-//      vec4 (four loads issued before the math);
-//   B. softmax, NG heads in parallel: TPH = WG / NG invocations per head take a strided share
-//      of the tile's keys; the partial max (and whether any key was valid) is exchanged once
-//      through workgroup memory, then each invocation writes p = exp(s - m) for its keys and its
-//      partial sum; every invocation of a head reduces the same values in the same order, so
-//      the running (m, l) is kept, identical, in the registers of all of them;
-//   C. o += P V: invocation (kg, td) owns vec4 lane td of the head dim for every head and the
-//      key positions kg, kg + KG, ... (KG = WG / TD): V rows are read once per tile, consecutive
-//      invocations reading consecutive vec4s, four keys per step with the loads issued first;
-//      a masked key is never read (its loads give zeros, its p is 0), so memory that may hold
-//      NaN is never multiplied by a zero weight.
-// At the end of an edge the KG per-group accumulators are summed in a fixed order through
-// workgroup memory (RB groups per round), so results are bitwise deterministic.
+// Workgroup memory is kept small on purpose: drivers give a compute workgroup's shared memory
+// from a per-SM budget that can be far below the hardware's (measured: 64 KiB per SM on one
+// Vulkan driver), and every KiB a workgroup holds costs resident workgroups, hence loads in
+// flight. Neither K nor V is staged: both are read from the cache straight into registers.
+//
+// Per edge, the block is walked in tiles of TK keys (one tile when the block fits); per tile:
+//   A. scores: invocation (key k = tid % TK, slice s = tid / TK) reads its K row's slice s
+//      (TDS vec4s, four loads issued before the math) and forms partial dot products with all
+//      (up to 8) heads, held in two vec4 registers; the query tile is read from workgroup
+//      memory at one address per warp (a broadcast); partials go to `sbuf` [slice][key][head];
+//   B. softmax: SL = WG / 8 invocations per head slot take a strided share of the tile's keys,
+//      sum the DS slices of each score in a fixed order, and exchange partial maxima, then
+//      partial sums, once each through workgroup memory; every invocation of a head reduces
+//      the same values in the same order, so the running (m, l) is kept, identical, in the
+//      registers of all of them; p = exp(s - m) overwrites slice 0 of `sbuf`;
+//   C. o += P V: invocation (kg, td) owns vec4 lane td of the head dim for all 8 head slots
+//      (eight vec4 registers) and keys kg, kg + KG, ... (KG = WG / TD); V rows are read from
+//      the cache, a warp reading whole rows, four keys per step with the loads issued first.
+// A masked key (past the edge's edge_len, or on an INVALID page) is never read (R10): its
+// scores are not formed, its p is 0 and its V load is skipped, so memory that may hold NaN is
+// never multiplied by a zero weight. At the end of an edge the KG key groups' accumulators are
+// summed into group 0 through `sbuf`, (group, head) pairs in a fixed order, so results are
+// bitwise deterministic (R19).
 //
 // Override constants
-//   D, S    head dim, page size        TD  = ceil(D / 4): vec4s per cache row
-//   NG      heads per work item (the host's RMAX; ng <= NG; at most 16)
-//   TK      keys per tile              WG  workgroup size (>= TD, >= NG)
-//   RB      accumulator slots of the final reduction (1 <= RB)
+//   D, S   head dim, page size          TD  = ceil(D / 4): vec4s per cache row
+//   NG     heads per work item (the host's RMAX; ng <= NG <= 8)
+//   WG     workgroup size: a multiple of 8 and of TK, >= TD
+//   TK     keys per tile; DS = WG / TK slices of the head dim in the score phase
 // The loader rewrites the `alias kv_t` line to f16 (and prepends `enable f16;`) for float16
 // caches; accumulation is f32 in both cases.
 
@@ -40,15 +46,14 @@ override D: u32;
 override S: u32;
 override TK: u32;
 override NG: u32;
-override WG: u32 = 128u;
+override WG: u32 = 256u;
 override TD: u32;
-override RB: u32 = 1u;
-override TD4: u32 = (TD + 3u) & ~3u;   // q row stride: TD padded to the 4-vec4 load step
-override TKP: u32 = TK + 1u - (TK & 1u); // p_tile row stride (odd: no bank conflicts)
-override TPH: u32 = WG / NG;            // softmax invocations per head
-override KG: u32 = WG / TD;             // key groups of the P·V phase
+override DS: u32 = WG / TK;                        // head-dim slices of the score phase
+override TDS: u32 = (TD + DS - 1u) / DS;           // vec4s per slice
+override QH: u32 = 4u * ((NG + 3u) / 4u);          // head slots in use: NG rounded up to 4
+override KG: u32 = WG / TD;                        // key groups of the P·V phase
+override SL: u32 = WG / 8u;                        // softmax invocations per head slot
 const INVALID: u32 = 0xffffffffu;
-const NGMAX: u32 = 16u;
 
 struct Params {
     item_base: u32,
@@ -69,17 +74,30 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
-var<workgroup> q_tile: array<vec4<f32>, NG * TD4>;   // [head][td], zero past ng and past D
-var<workgroup> p_tile: array<f32, NG * TKP>;         // [head][key]: scores, then p
-var<workgroup> key_row: array<u32, TK>;              // cache row (vec4 index) of each key, or INVALID
-var<workgroup> red_m: array<f32, WG>;                // partial max per invocation
-var<workgroup> red_f: array<u32, WG>;                // 1: the invocation saw a valid key
-var<workgroup> red_l: array<f32, WG>;                // partial sum per invocation
-var<workgroup> row_a: array<f32, NG>;                // rescale factor of the tile, per head
-var<workgroup> red_o: array<vec4<f32>, RB * NG * TD>; // accumulators of key groups 1..KG-1
+var<workgroup> q_s: array<vec4<f32>, QH * TD>;      // [head][td], zero past ng and past D
+var<workgroup> sbuf: array<vec4<f32>, 2u * WG>;     // score partials [slice][key][head quad];
+                                                    // then p (slice 0); then accumulators
+var<workgroup> key_row: array<u32, 2u * TK>;        // cache row (vec4 index) or INVALID; two tiles
+var<workgroup> red_m: array<f32, WG>;               // partial max per invocation
+var<workgroup> red_f: array<u32, WG>;               // 1: the invocation saw a valid key
+var<workgroup> red_l: array<f32, WG>;               // partial sum per invocation
+var<workgroup> row_a: array<f32, 8>;                // rescale factor of the tile, per head slot
 
-fn kload(row: u32, j: u32) -> vec4<f32> {
-    if (j < TD) {
+// vec4 index of the cache row of block position `pos`, or INVALID (past len, or not readable).
+fn locate(pages: u32, pos: u32, len: u32) -> u32 {
+    if (pos >= len) {
+        return INVALID;
+    }
+    let slab = plan[pages + pos / S];
+    if (slab == INVALID) {
+        return INVALID;
+    }
+    return slab * params.slab_stride + (pos % S) * TD;
+}
+
+// K vec4 j of a row, or zeros from jend on (the end of the invocation's slice: not its share)
+fn kload(row: u32, j: u32, jend: u32) -> vec4<f32> {
+    if (j < jend) {
         return vec4<f32>(k_cache[row + j]);
     }
     return vec4<f32>(0.0);
@@ -90,6 +108,20 @@ fn vload(row: u32, td: u32) -> vec4<f32> {
         return vec4<f32>(v_cache[row + td]);
     }
     return vec4<f32>(0.0);
+}
+
+fn pick(h: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>, a4: vec4<f32>, a5: vec4<f32>,
+        a6: vec4<f32>, a7: vec4<f32>) -> vec4<f32> {
+    switch h {
+        case 0u: { return a0; }
+        case 1u: { return a1; }
+        case 2u: { return a2; }
+        case 3u: { return a3; }
+        case 4u: { return a4; }
+        case 5u: { return a5; }
+        case 6u: { return a6; }
+        default: { return a7; }
+    }
 }
 
 @compute @workgroup_size(WG)
@@ -106,82 +138,105 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let pages = plan[ib + 5u];
     let prow0 = plan[ib + 6u];
 
-    let sh = tid / TPH;          // softmax: head of this invocation (valid when sh < NG)
-    let lane = tid - sh * TPH;
+    let sk = tid % TK;           // scores: key and head-dim slice of this invocation
+    let ss = tid / TK;
+    let j0 = ss * TDS;
+    let sh = tid / SL;           // softmax: head slot of this invocation (0..7)
+    let lane = tid - sh * SL;
+    let hq = sh / 4u;            // its vec4 of sbuf and component
+    let hc = sh - 4u * hq;
     let kg = tid / TD;           // P·V: key group and vec4 lane (valid when kg < KG)
     let td = tid - kg * TD;
 
     for (var e = 0u; e < n_e; e++) {
         let qrow = plan[erec + 2u * e];
         let len = plan[erec + 2u * e + 1u];
-        for (var x = tid; x < NG * TD4; x += WG) {
-            let h = x / TD4;
-            let j = x - h * TD4;
+        for (var x = tid; x < QH * TD; x += WG) {
+            let h = x / TD;
+            let j = x - h * TD;
             var qv = vec4<f32>(0.0);
-            if (h < ng && j < TD) {
+            if (h < ng) {
                 let base = (qrow * params.group + g0 + h) * D + 4u * j;
                 qv.x = q[base];
                 if (4u * j + 1u < D) { qv.y = q[base + 1u]; }
                 if (4u * j + 2u < D) { qv.z = q[base + 2u]; }
                 if (4u * j + 3u < D) { qv.w = q[base + 3u]; }
             }
-            q_tile[x] = qv;
+            q_s[x] = qv;
         }
-        var m = 0.0;   // running max of head sh (meaningful when l > 0)
-        var l = 0.0;   // running sum of head sh; 0 = nothing attended yet
-        var acc: array<vec4<f32>, NGMAX>;
-        for (var h = 0u; h < NG; h++) {
-            acc[h] = vec4<f32>(0.0);
+        for (var k = tid; k < TK; k += WG) {
+            key_row[k] = locate(pages, k, len);
         }
+        var m = 0.0;   // running max of head slot sh (meaningful when l > 0)
+        var l = 0.0;   // running sum of head slot sh; 0 = nothing attended yet
+        var a0 = vec4<f32>(0.0);
+        var a1 = vec4<f32>(0.0);
+        var a2 = vec4<f32>(0.0);
+        var a3 = vec4<f32>(0.0);
+        var a4 = vec4<f32>(0.0);
+        var a5 = vec4<f32>(0.0);
+        var a6 = vec4<f32>(0.0);
+        var a7 = vec4<f32>(0.0);
         workgroupBarrier();
 
         for (var k0 = 0u; k0 < len; k0 += TK) {
             let nk = min(TK, len - k0);
+            let cur = ((k0 / TK) & 1u) * TK;
 
-            // A. scores, one invocation per key, all heads at once
+            // A. partial scores of key sk over slice ss, all heads; locate the next tile's rows
+            var slo = vec4<f32>(0.0);
+            var shi = vec4<f32>(0.0);
+            let row = key_row[cur + sk];
+            if (row != INVALID) {
+                let jend = min(j0 + TDS, TD);
+                for (var j = j0; j < jend; j += 4u) {
+                    let k0v = kload(row, j, jend);
+                    let k1v = kload(row, j + 1u, jend);
+                    let k2v = kload(row, j + 2u, jend);
+                    let k3v = kload(row, j + 3u, jend);
+                    // past jend the K values are zeros; the q index is clamped into the head's row
+                    let i1 = min(j + 1u, TD - 1u);
+                    let i2 = min(j + 2u, TD - 1u);
+                    let i3 = min(j + 3u, TD - 1u);
+                    slo.x += dot(q_s[j], k0v) + dot(q_s[i1], k1v) + dot(q_s[i2], k2v) + dot(q_s[i3], k3v);
+                    slo.y += dot(q_s[TD + j], k0v) + dot(q_s[TD + i1], k1v) + dot(q_s[TD + i2], k2v)
+                           + dot(q_s[TD + i3], k3v);
+                    slo.z += dot(q_s[2u * TD + j], k0v) + dot(q_s[2u * TD + i1], k1v)
+                           + dot(q_s[2u * TD + i2], k2v) + dot(q_s[2u * TD + i3], k3v);
+                    slo.w += dot(q_s[3u * TD + j], k0v) + dot(q_s[3u * TD + i1], k1v)
+                           + dot(q_s[3u * TD + i2], k2v) + dot(q_s[3u * TD + i3], k3v);
+                    if (NG > 4u) {
+                        shi.x += dot(q_s[4u * TD + j], k0v) + dot(q_s[4u * TD + i1], k1v)
+                               + dot(q_s[4u * TD + i2], k2v) + dot(q_s[4u * TD + i3], k3v);
+                        shi.y += dot(q_s[5u * TD + j], k0v) + dot(q_s[5u * TD + i1], k1v)
+                               + dot(q_s[5u * TD + i2], k2v) + dot(q_s[5u * TD + i3], k3v);
+                        shi.z += dot(q_s[6u * TD + j], k0v) + dot(q_s[6u * TD + i1], k1v)
+                               + dot(q_s[6u * TD + i2], k2v) + dot(q_s[6u * TD + i3], k3v);
+                        shi.w += dot(q_s[7u * TD + j], k0v) + dot(q_s[7u * TD + i1], k1v)
+                               + dot(q_s[7u * TD + i2], k2v) + dot(q_s[7u * TD + i3], k3v);
+                    }
+                }
+            }
+            sbuf[2u * tid] = slo;        // tid = ss * TK + sk: [slice][key]
+            sbuf[2u * tid + 1u] = shi;
             for (var k = tid; k < TK; k += WG) {
-                var row = INVALID;
-                if (k < nk) {
-                    let pos = k0 + k;
-                    let slab = plan[pages + pos / S];
-                    if (slab != INVALID) {
-                        row = slab * params.slab_stride + (pos % S) * TD;
-                    }
-                }
-                key_row[k] = row;
-                var s: array<f32, NGMAX>;
-                for (var h = 0u; h < NG; h++) {
-                    s[h] = 0.0;
-                }
-                if (row != INVALID) {
-                    for (var j = 0u; j < TD; j += 4u) {
-                        let a0 = kload(row, j);
-                        let a1 = kload(row, j + 1u);
-                        let a2 = kload(row, j + 2u);
-                        let a3 = kload(row, j + 3u);
-                        for (var h = 0u; h < NG; h++) {
-                            let qb = h * TD4 + j;
-                            s[h] += dot(q_tile[qb], a0) + dot(q_tile[qb + 1u], a1)
-                                  + dot(q_tile[qb + 2u], a2) + dot(q_tile[qb + 3u], a3);
-                        }
-                    }
-                }
-                for (var h = 0u; h < NG; h++) {
-                    p_tile[h * TKP + k] = s[h] * params.scale;
-                }
+                key_row[TK - cur + k] = locate(pages, k0 + TK + k, len);
             }
             workgroupBarrier();
 
-            // B1. partial max over this invocation's keys of head sh
+            // B1. scores (slices summed in order, scaled) and partial max of head slot sh
             var lmax = 0.0;
             var seen = false;
-            if (sh < NG) {
-                for (var k = lane; k < nk; k += TPH) {
-                    if (key_row[k] != INVALID) {
-                        let sc = p_tile[sh * TKP + k];
-                        lmax = select(sc, max(lmax, sc), seen);
-                        seen = true;
+            for (var k = lane; k < nk; k += SL) {
+                if (key_row[cur + k] != INVALID) {
+                    var s = 0.0;
+                    for (var i = 0u; i < DS; i++) {
+                        s += sbuf[2u * (i * TK + k) + hq][hc];
                     }
+                    s *= params.scale;
+                    sbuf[2u * k + hq][hc] = s;   // this invocation alone reads and writes (k, sh)
+                    lmax = select(s, max(lmax, s), seen);
+                    seen = true;
                 }
             }
             red_m[tid] = lmax;
@@ -191,94 +246,128 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             // B2. head max, rescale factor, p = exp(s - m) and partial sums
             var tmax = 0.0;
             var found = false;
-            var alpha = 1.0;
-            var m_new = m;
-            if (sh < NG) {
-                for (var i = 0u; i < TPH; i++) {
-                    let t = sh * TPH + i;
-                    if (red_f[t] != 0u) {
-                        tmax = select(red_m[t], max(tmax, red_m[t]), found);
-                        found = true;
-                    }
-                }
-                if (found) {
-                    m_new = tmax;
-                    alpha = 0.0;  // nothing attended before: the accumulators are exactly 0
-                    if (l > 0.0) {
-                        m_new = max(m, tmax);
-                        alpha = exp(m - m_new);
-                    }
-                }
-                var lsum = 0.0;
-                for (var k = lane; k < nk; k += TPH) {
-                    var p = 0.0;
-                    if (key_row[k] != INVALID) {
-                        p = exp(p_tile[sh * TKP + k] - m_new);
-                    }
-                    p_tile[sh * TKP + k] = p;
-                    lsum += p;
-                }
-                red_l[tid] = lsum;
-                if (lane == 0u) {
-                    row_a[sh] = alpha;
+            for (var i = 0u; i < SL; i++) {
+                let t = sh * SL + i;
+                if (red_f[t] != 0u) {
+                    tmax = select(red_m[t], max(tmax, red_m[t]), found);
+                    found = true;
                 }
             }
+            var alpha = 1.0;
+            var m_new = m;
+            if (found) {
+                m_new = tmax;
+                alpha = 0.0;  // nothing attended before: the accumulators are exactly 0
+                if (l > 0.0) {
+                    m_new = max(m, tmax);
+                    alpha = exp(m - m_new);
+                }
+            }
+            var lsum = 0.0;
+            for (var k = lane; k < nk; k += SL) {
+                var p = 0.0;
+                if (key_row[cur + k] != INVALID) {
+                    p = exp(sbuf[2u * k + hq][hc] - m_new);
+                }
+                sbuf[2u * k + hq][hc] = p;
+                lsum += p;
+            }
+            red_l[tid] = lsum;
+            if (lane == 0u) {
+                row_a[sh] = alpha;
+            }
             workgroupBarrier();
-            if (sh < NG && found) {
+            if (found) {
                 var tsum = 0.0;
-                for (var i = 0u; i < TPH; i++) {
-                    tsum += red_l[sh * TPH + i];
+                for (var i = 0u; i < SL; i++) {
+                    tsum += red_l[sh * SL + i];
                 }
                 m = m_new;
                 l = l * alpha + tsum;
             }
 
-            // C. o += P V: lane td of every head, keys kg, kg + KG, ...
+            // C. o += P V over keys kg, kg + KG, ...; a masked key loads zeros and has p = 0
             if (kg < KG) {
-                for (var h = 0u; h < NG; h++) {
-                    acc[h] *= row_a[h];
+                a0 *= row_a[0];
+                a1 *= row_a[1];
+                a2 *= row_a[2];
+                a3 *= row_a[3];
+                if (NG > 4u) {
+                    a4 *= row_a[4];
+                    a5 *= row_a[5];
+                    a6 *= row_a[6];
+                    a7 *= row_a[7];
                 }
-                // four keys per step, their loads issued before the math; a masked key loads
-                // zeros (not memory) and has p = 0
                 var k = kg;
                 for (; k + 3u * KG < nk; k += 4u * KG) {
-                    let v0 = vload(key_row[k], td);
-                    let v1 = vload(key_row[k + KG], td);
-                    let v2 = vload(key_row[k + 2u * KG], td);
-                    let v3 = vload(key_row[k + 3u * KG], td);
-                    for (var h = 0u; h < NG; h++) {
-                        let pb = h * TKP + k;
-                        acc[h] += p_tile[pb] * v0 + p_tile[pb + KG] * v1
-                                + p_tile[pb + 2u * KG] * v2 + p_tile[pb + 3u * KG] * v3;
+                    let v0 = vload(key_row[cur + k], td);
+                    let v1 = vload(key_row[cur + k + KG], td);
+                    let v2 = vload(key_row[cur + k + 2u * KG], td);
+                    let v3 = vload(key_row[cur + k + 3u * KG], td);
+                    let p0 = sbuf[2u * k];
+                    let p1 = sbuf[2u * (k + KG)];
+                    let p2 = sbuf[2u * (k + 2u * KG)];
+                    let p3 = sbuf[2u * (k + 3u * KG)];
+                    a0 += p0.x * v0 + p1.x * v1 + p2.x * v2 + p3.x * v3;
+                    a1 += p0.y * v0 + p1.y * v1 + p2.y * v2 + p3.y * v3;
+                    a2 += p0.z * v0 + p1.z * v1 + p2.z * v2 + p3.z * v3;
+                    a3 += p0.w * v0 + p1.w * v1 + p2.w * v2 + p3.w * v3;
+                    if (NG > 4u) {
+                        let u0 = sbuf[2u * k + 1u];
+                        let u1 = sbuf[2u * (k + KG) + 1u];
+                        let u2 = sbuf[2u * (k + 2u * KG) + 1u];
+                        let u3 = sbuf[2u * (k + 3u * KG) + 1u];
+                        a4 += u0.x * v0 + u1.x * v1 + u2.x * v2 + u3.x * v3;
+                        a5 += u0.y * v0 + u1.y * v1 + u2.y * v2 + u3.y * v3;
+                        a6 += u0.z * v0 + u1.z * v1 + u2.z * v2 + u3.z * v3;
+                        a7 += u0.w * v0 + u1.w * v1 + u2.w * v2 + u3.w * v3;
                     }
                 }
                 for (; k < nk; k += KG) {
-                    let row = key_row[k];
-                    if (row != INVALID) {
-                        let v = vec4<f32>(v_cache[row + td]);
-                        for (var h = 0u; h < NG; h++) {
-                            acc[h] += p_tile[h * TKP + k] * v;
-                        }
+                    let v = vload(key_row[cur + k], td);
+                    let p = sbuf[2u * k];
+                    a0 += p.x * v;
+                    a1 += p.y * v;
+                    a2 += p.z * v;
+                    a3 += p.w * v;
+                    if (NG > 4u) {
+                        let u = sbuf[2u * k + 1u];
+                        a4 += u.x * v;
+                        a5 += u.y * v;
+                        a6 += u.z * v;
+                        a7 += u.w * v;
                     }
                 }
             }
             workgroupBarrier();
         }
 
-        // sum the key groups' accumulators in a fixed order: group 0 adds groups 1, 2, ...
-        for (var r0 = 1u; r0 < KG; r0 += RB) {
-            if (kg >= r0 && kg < min(r0 + RB, KG)) {
-                let slot = (kg - r0) * NG * TD;
-                for (var h = 0u; h < NG; h++) {
-                    red_o[slot + h * TD + td] = acc[h];
+        // sum the key groups into group 0: pairs (group g >= 1, head h) in order g-major, 2 KG
+        // pairs (TD vec4s each) per round through sbuf; group 0 adds them in that order
+        let npairs = QH * (KG - 1u);
+        for (var p0 = 0u; p0 < npairs; p0 += 2u * KG) {
+            if (kg >= 1u && kg < KG) {
+                for (var h = 0u; h < QH; h++) {
+                    let pr = (kg - 1u) * QH + h;
+                    if (pr >= p0 && pr < p0 + 2u * KG) {
+                        sbuf[(pr - p0) * TD + td] = pick(h, a0, a1, a2, a3, a4, a5, a6, a7);
+                    }
                 }
             }
             workgroupBarrier();
             if (kg == 0u) {
-                let nr = min(RB, KG - r0);
-                for (var i = 0u; i < nr; i++) {
-                    for (var h = 0u; h < NG; h++) {
-                        acc[h] += red_o[i * NG * TD + h * TD + td];
+                let pend = min(npairs, p0 + 2u * KG);
+                for (var pr = p0; pr < pend; pr++) {
+                    let v = sbuf[(pr - p0) * TD + td];
+                    switch pr % QH {
+                        case 0u: { a0 += v; }
+                        case 1u: { a1 += v; }
+                        case 2u: { a2 += v; }
+                        case 3u: { a3 += v; }
+                        case 4u: { a4 += v; }
+                        case 5u: { a5 += v; }
+                        case 6u: { a6 += v; }
+                        default: { a7 += v; }
                     }
                 }
             }
@@ -287,17 +376,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let prow = prow0 + e * ng;
         if (kg == 0u) {
             for (var h = 0u; h < ng; h++) {
-                for (var b = 0u; b < 4u; b++) {
-                    let d = 4u * td + b;
-                    if (d < D) {
-                        o_out[(prow + h) * D + d] = acc[h][b];
-                    }
-                }
+                let a = pick(h, a0, a1, a2, a3, a4, a5, a6, a7);
+                let ob = (prow + h) * D + 4u * td;
+                o_out[ob] = a.x;
+                if (4u * td + 1u < D) { o_out[ob + 1u] = a.y; }
+                if (4u * td + 2u < D) { o_out[ob + 2u] = a.z; }
+                if (4u * td + 3u < D) { o_out[ob + 3u] = a.w; }
             }
         }
         if (sh < ng && lane == 0u) {
             ml_out[prow + sh] = vec2<f32>(m, l);
         }
-        workgroupBarrier();  // q_tile and red_o are rewritten by the next edge
+        workgroupBarrier();  // q_s, key_row and sbuf are rewritten by the next edge
     }
 }

@@ -44,6 +44,48 @@ def test_profile_forward_times_every_pass_and_matches_forward(WgpuBackend):
     assert "gpu_total_s" not in be.last_timings
 
 
+def test_profile_forward_replay_times_each_replay_and_keeps_results(WgpuBackend):
+    """replay=R encodes the passes R times in one submission: R span times, same outputs."""
+    be = WgpuBackend(required_limits="default")
+    args = make_problem(4, seqlens_q=(3, 2), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
+    kd, vd = be.upload_kv_cache(args.k_cache, args.v_cache)
+    p, idx = _problem_and_index(args, kd, vd)
+    ref = be.forward(p, idx)[0]
+    prof = be.profile_forward(p, idx, repeat=2, replay=3, warmup_s=0.01)
+    assert prof["replay"] == 3 and prof["repeat"] == 2
+    if "timestamp-query" in be.capabilities.features:
+        per = be.last_timings["gpu_replays"]
+        assert len(per) == 3
+        for part, comb, total in per:
+            assert part > 0 and comb > 0 and total >= part + comb - 1e-9
+        assert prof["total_s"] == pytest.approx(float(np.median([t for t, _, _ in prof["samples"]])))
+    auto = be.profile_forward(p, idx, repeat=1, replay="auto")
+    assert auto["replay"] >= 10  # at least 10 replays, more when one replay is short
+    out = be.forward(p, idx)[0]
+    assert np.array_equal(out, ref)
+    assert "gpu_replays" not in be.last_timings  # ordinary calls replay nothing
+
+
+def test_runtime_checks_do_not_change_results(WgpuBackend):
+    """The attention kernels give the same bits with and without naga's runtime checks: every
+    index they use is in range (a clamped out-of-range access would change them)."""
+    on = WgpuBackend(required_limits="default", runtime_checks=True)
+    off = WgpuBackend(required_limits="default")
+    for seed, kw in ((7, dict(seqlens_q=(3, 2), G=2, D=16)), (8, dict(seqlens_q=(1, 1, 1), G=8, D=64))):
+        args = make_problem(seed, page_size=2, ppb=2, msb=4, causal=True, **kw)
+        a = _fwd(args, on, return_lse=True)
+        b = _fwd(args, off, return_lse=True)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_read_bandwidth_is_positive_and_reports_its_timer(WgpuBackend):
+    be = WgpuBackend(required_limits="default")
+    bw = be.read_bandwidth(1 << 20, repeat=2)
+    assert np.isfinite(bw) and bw > 0
+    want = "timestamp-query" if "timestamp-query" in be.capabilities.features else "wall"
+    assert be.last_timings["timer"] == want and be.last_timings["read_bytes"] == 1 << 20
+
+
 def test_copy_bandwidth_is_positive_and_reports_its_timer(WgpuBackend):
     be = WgpuBackend(required_limits="default")
     bw = be.copy_bandwidth(1 << 20, repeat=2)

@@ -1,6 +1,6 @@
 """The KV-outer index (R13): invert ``selected`` into edges grouped by (KV head, block).
 
-Vectorised: one ``lexsort`` and a few ``bincount``/``cumsum``; no Python loop over edges.
+Vectorised: one stable sort and a few ``bincount``/``cumsum``; no Python loop over edges.
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ def query_positions(cu_seqlens_q: np.ndarray, used_kv_lens: np.ndarray, causal: 
     return seq, hi
 
 
-def _edge_order(h: np.ndarray, b: np.ndarray, blk: np.ndarray, E: int, *, B: int, msb: int) -> np.ndarray:
-    """Permutation sorting entries by (h, b, s, t), given entries already in t-major order.
+def _edge_order(slot: np.ndarray, n_slots: int) -> np.ndarray:
+    """Permutation sorting entries by slot key, stably, given entries already in t-major order.
 
-    Equivalent to ``np.lexsort((t, blk, b, h))``; faster: a stable radix sort on a 16-bit slot key
-    when the slots fit, else a plain sort on a unique 64-bit (slot, position) key.
+    Equivalent to ``np.lexsort((t, slot))``; faster: a stable radix sort on a 16-bit key when the
+    slots fit, else a plain sort on a unique 64-bit (slot, position) key.
     """
-    slot = (h * B + b) * msb + blk  # slot key; entries of one slot stay in t order (stable)
-    n_slots = max(1, B * msb * (int(h.max()) + 1 if E else 1))
+    E = slot.shape[0]
     if n_slots <= 1 << 16:
         return np.argsort(slot.astype(np.uint16), kind="stable")
     return np.argsort(slot * E + np.arange(E, dtype=np.int64))  # unique keys: any sort is stable
@@ -58,59 +57,66 @@ def build_index_arrays(
     page_size: int,
     causal: bool,
 ) -> KVOuterIndex:
-    """Build the R13 index from validated int32 inputs (see :func:`paged_sparse_attn.build_kvouter_index`)."""
+    """Build the R13 index from validated int32 inputs (see :func:`paged_sparse_attn.build_kvouter_index`).
+
+    Per-call cost matters (every decode step builds one): the edge fields are taken once, in
+    edge order and as int32, and the slot and row structure come from keys, not from
+    comparisons of several arrays.
+    """
     Tq, Hkv, K = selected.shape
+    B = block_tables.shape[0]
     msb = block_tables.shape[1] // (block_size // page_size)
     seq, hi = query_positions(cu_seqlens_q, used_kv_lens, causal)
 
     # --8<-- [start:edges]
-    s = selected.astype(np.int64)
-    start = s * block_size  # first position of the block
-    # kept: a real block, not entirely >= L_b, not entirely in the future (R13)
-    kept = (s >= 0) & (start < hi[:, None, None])
-    t, h, rank = np.nonzero(kept)  # row-major: (t, h, rank) order
-    blk = s[t, h, rank]
+    # kept: a real block, not entirely >= L_b, not entirely in the future (R13): s * block_size
+    # < hi, i.e. s < ceil(hi / block_size) (<= 0 when the query sees nothing)
+    n_vis = -(-hi // block_size)
+    kept = (selected >= 0) & (selected < n_vis[:, None, None])
+    flat = np.flatnonzero(kept)  # row-major: (t, h, rank) order
+    row = flat // K  # t * Hkv + h
+    rank = flat - row * K
+    t = row // Hkv
+    h = row - t * Hkv
+    blk = selected.reshape(-1)[flat].astype(np.int64)
     b = seq[t]
     length = np.minimum(block_size, hi[t] - blk * block_size)
     # edge order: KV head, then slot (b, s), then query t
-    order = _edge_order(h, b, blk, t.shape[0], B=block_tables.shape[0], msb=msb)
+    slot = (h * B + b) * msb + blk
+    E = flat.shape[0]
+    order = _edge_order(slot, max(1, B * msb * (int(h.max()) + 1 if E else 1)))
     # --8<-- [end:edges]
 
-    def i32(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a, dtype=np.int32)
+    # every edge field in edge order, as int32 (the values fit: R7)
+    e_t, e_h, e_b, e_s, e_rank, e_len = (np.take(a.astype(np.int32), order) for a in (t, h, b, blk, rank, length))
+    # slot groups: runs of equal slot key (h, b, s)
+    e_slot = slot[order]
+    new = np.ones(E, dtype=bool)
+    np.not_equal(e_slot[1:], e_slot[:-1], out=new[1:])
+    starts = np.flatnonzero(new)
+    slot_ptr = np.empty(starts.shape[0] + 1, dtype=np.int32)
+    slot_ptr[:-1] = starts
+    slot_ptr[-1] = E
 
-    e_t, e_h, e_b, e_s = (np.take(a, order) for a in (t, h, b, blk))
-    E = e_t.shape[0]
-
-    # slot groups: runs of equal (h, b, s)
-    if E:
-        new = np.ones(E, dtype=bool)
-        new[1:] = (e_h[1:] != e_h[:-1]) | (e_b[1:] != e_b[:-1]) | (e_s[1:] != e_s[:-1])
-        starts = np.flatnonzero(new)
-    else:
-        starts = np.zeros(0, dtype=np.int64)
-    slot_ptr = np.append(starts, E)
-
-    # rows (t, h) -> their edges in rank order; np.nonzero already enumerated (t, h, rank)
-    rows = t * Hkv + h
-    row_ptr = np.zeros(Tq * Hkv + 1, dtype=np.int64)
-    np.cumsum(np.bincount(rows, minlength=Tq * Hkv), out=row_ptr[1:])
-    inverse = np.empty(E, dtype=np.int64)
-    inverse[order] = np.arange(E)  # position of each (t, h, rank) entry in edge order
+    # rows (t, h) -> their edges in rank order; flatnonzero already enumerated (t, h, rank)
+    row_ptr = np.zeros(Tq * Hkv + 1, dtype=np.int32)
+    np.cumsum(np.bincount(row, minlength=Tq * Hkv), out=row_ptr[1:])
+    inverse = np.empty(E, dtype=np.int32)
+    inverse[order] = np.arange(E, dtype=np.int32)  # position of each (t, h, rank) entry in edge order
 
     return KVOuterIndex(
-        edge_query=i32(e_t),
-        edge_head=i32(e_h),
-        edge_seq=i32(e_b),
-        edge_block=i32(e_s),
-        edge_rank=i32(np.take(rank, order)),
-        edge_len=i32(np.take(length, order)),
-        slot_ptr=i32(slot_ptr),
-        slot_head=i32(e_h[starts]),
-        slot_seq=i32(e_b[starts]),
-        slot_block=i32(e_s[starts]),
-        row_ptr=i32(row_ptr),
-        row_edges=i32(inverse),
+        edge_query=e_t,
+        edge_head=e_h,
+        edge_seq=e_b,
+        edge_block=e_s,
+        edge_rank=e_rank,
+        edge_len=e_len,
+        slot_ptr=slot_ptr,
+        slot_head=e_h[starts],
+        slot_seq=e_b[starts],
+        slot_block=e_s[starts],
+        row_ptr=row_ptr,
+        row_edges=inverse,
         block_tables=block_tables,
         cu_seqlens_q=cu_seqlens_q,
         used_kv_lens=used_kv_lens,

@@ -7,6 +7,14 @@ over the copy bandwidth measured in this run) and ``peer_s / time`` for every pe
 whose ``profile_forward`` takes a ``kernel=`` override (wgpu) report, on decode-like workloads
 (one query per sequence), ``<backend>[generic]_s`` as well: the same call with the generic
 partials kernel, next to ``<backend>_s`` (the automatic choice, named in ``<backend>_kernel``).
+
+Every time is taken at steady state, the same way for every implementation: after a warm-up of
+back-to-back calls, with the calls (or, for wgpu, a call's passes) issued back to back. A GPU
+that idles between calls runs at its idle clock (an H200: 345 MHz instead of 1980), so timing
+calls separated by host work times the idle clock. The SM clock and power sampled during each
+measurement are in the row (``<name>_clocks``, where ``nvidia-smi`` exists). The floor's
+bandwidth is the largest measured in the run: the copy bandwidth (bytes read plus written) of
+each backend and of torch, and the backends' streaming read (``read_bandwidth``).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from .. import registry
 from .._api import forward
 from .._index import build_index_arrays
 from .._validation import validate_forward
+from .clocks import ClockSampler
 from .cpu import attention_flops
 from .peers import PEERS, copy_bandwidth, torch_available
 from .workloads import Workload, make_problem, needed_kv_bytes
@@ -78,6 +87,19 @@ def _takes_kernel(be) -> bool:
         return False
 
 
+def _steady(be, quick: bool) -> dict:
+    """Steady-state options of ``profile_forward`` where the backend takes them (wgpu): the
+    passes of a call replayed back to back in one submission after a warm-up, so the GPU is
+    timed busy, at the clocks it runs at under load (as the peers are: see ``peers.cuda_time``)."""
+    try:
+        params = inspect.signature(be.profile_forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    if "replay" not in params:
+        return {}
+    return dict(replay=2, warmup_s=0.0) if quick else dict(replay="auto", warmup_s=1.0)
+
+
 def _device_backends(names: Sequence[str] | None) -> list:
     out = []
     avail = registry.list_backends()
@@ -106,6 +128,9 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
         say(f"{be.name}: copy bandwidth")
         result["ceilings"][f"{be.name} copy bytes/s"] = be.copy_bandwidth(1 << (24 if quick else 30))
         result["ceilings"][f"{be.name} copy timer"] = getattr(be, "last_timings", {}).get("timer", "?")
+        if hasattr(be, "read_bandwidth"):
+            say(f"{be.name}: streaming read bandwidth")
+            result["ceilings"][f"{be.name} read bytes/s"] = be.read_bandwidth(1 << (24 if quick else 30))
     if t_ok:
         say("torch: copy bandwidth")
         result["ceilings"]["torch copy bytes/s"] = copy_bandwidth(1 << (24 if quick else 31))
@@ -133,7 +158,9 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
                                      block_size=p.block_size, page_size=p.page_size, causal=p.causal)
             say(f"{w.name}: {be.name} kernels")
-            prof = be.profile_forward(p, idx, repeat=repeat)
+            with ClockSampler() as clk:
+                prof = be.profile_forward(p, idx, repeat=repeat, **_steady(be, quick))
+            row[f"{be.name}_clocks"] = clk.summary()
             t = prof["total_s"]
             row[f"{be.name}_s"] = t
             row[f"{be.name}_partials_s"] = prof.get("partials_s")
@@ -148,7 +175,7 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             if w.Tq_per_seq == 1 and _takes_kernel(be):
                 # decode-like: also time the generic partials kernel, next to the automatic choice
                 say(f"{w.name}: {be.name} generic kernel")
-                gen = be.profile_forward(p, idx, repeat=repeat, kernel="generic")
+                gen = be.profile_forward(p, idx, repeat=repeat, kernel="generic", **_steady(be, quick))
                 row[f"{be.name}[generic]_s"] = gen["total_s"]
                 row[f"{be.name}[generic]_partials_s"] = gen.get("partials_s")
                 if bw:
@@ -166,8 +193,9 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
                 key = (peer, w.B, w.L, w.Tq_per_seq, w.Hq, w.Hkv, w.D, w.block_size, w.page_size, w.topk)
                 try:
                     if key not in peer_memo:
-                        peer_memo[key] = PEERS[peer](prob)
-                    row[f"{peer}_s"] = peer_memo[key]
+                        with ClockSampler() as clk:
+                            peer_memo[key] = (PEERS[peer](prob), clk.summary())
+                    row[f"{peer}_s"], row[f"{peer}_clocks"] = peer_memo[key]
                 except Exception as exc:  # a peer that cannot run this shape is reported, not fatal
                     row[f"{peer}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
                 for be in bes:

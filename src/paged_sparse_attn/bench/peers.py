@@ -30,14 +30,26 @@ def torch_available() -> tuple[bool, str]:
     return True, f"torch {torch.__version__} on {where}"
 
 
-def cuda_time(fn: Callable[[], Any], repeat: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn``: CUDA events on a GPU, wall time on the CPU."""
+def cuda_time(fn: Callable[[], Any], repeat: int = 20, warmup_s: float = 0.3) -> float:
+    """Median seconds of ``fn``: CUDA events on a GPU, wall time on the CPU.
+
+    The steady-state protocol of the GPU suite, the same for every implementation: calls run
+    back to back for at least ``warmup_s`` first (GPU clocks rise only under sustained load;
+    a GPU that idles between calls times its kernels at idle clocks), then ``repeat`` calls are
+    issued back to back with an event pair around each and one synchronisation at the end.
+    """
     import time
 
     import torch
 
-    for _ in range(warmup):
+    fn()
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < warmup_s or n < 3:
         fn()
+        n += 1
+        if _dev() != "cpu" and n % 4 == 0:
+            torch.cuda.synchronize()  # keep the queue short: the warm-up is measured in wall time
     times = []
     if _dev() == "cpu":
         for _ in range(repeat):
@@ -46,13 +58,13 @@ def cuda_time(fn: Callable[[], Any], repeat: int = 20, warmup: int = 3) -> float
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
     torch.cuda.synchronize()
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeat)]
+    for a, b in events:
         a.record()
         fn()
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    torch.cuda.synchronize()
+    times = [a.elapsed_time(b) / 1e3 for a, b in events]
     return float(np.median(times))
 
 

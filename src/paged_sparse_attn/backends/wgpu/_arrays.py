@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +124,14 @@ def upload_slabs(device, arr: np.ndarray, layout: CacheLayout, label: str) -> li
     return bufs
 
 
+def _destroy(buffers: list) -> None:
+    for b in buffers:
+        try:
+            b.destroy()
+        except Exception:
+            pass
+
+
 class WgpuArray(DeviceArray):
     """A paged K or V cache held by a :class:`WgpuBackend` (see ``WgpuBackend.upload_kv_cache``).
 
@@ -144,6 +153,10 @@ class WgpuArray(DeviceArray):
         self._buffers = buffers
         self._generation = generation
         self._label = label
+        # destroyed (device memory freed) when released or collected, even while the backend's
+        # cached bind groups still refer to the buffers (those would otherwise keep it alive)
+        self._finalizer = weakref.finalize(self, _destroy, buffers)
+        self._finalizer.atexit = False
 
     @property
     def nbytes(self) -> int:
@@ -182,12 +195,8 @@ class WgpuArray(DeviceArray):
         Waits for a call of the backend in progress on another thread (it may be reading it).
         """
         with self.backend._lock:
-            bufs, self._buffers = self._buffers, None
-        for b in bufs or ():
-            try:
-                b.destroy()
-            except Exception:
-                pass
+            self._buffers = None
+        self._finalizer()  # destroys the buffers (once)
 
     def __repr__(self) -> str:
         state = "released" if self._buffers is None else f"{self.layout.n_chunks} chunk(s)"

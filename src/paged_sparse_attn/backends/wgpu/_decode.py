@@ -20,39 +20,35 @@ __all__ = ["DECODE", "GENERIC", "KERNELS", "DecodeGeometry", "decode_workgroup_b
 GENERIC = "psa_partials.wgsl"
 DECODE = "psa_partials_decode.wgsl"
 KERNELS = {"generic": GENERIC, "decode": DECODE}
-MAX_NG = 16          # private accumulator arrays of the kernel hold 16 heads
-DECODE_WG = 64  # invocations per workgroup (one per key of a tile): the fastest of 64..1024 on the H200
+MAX_NG = 8           # the kernel keeps 8 head slots in two vec4 registers (larger G: items of 8)
+DECODE_WG = 128      # invocations per workgroup: the fastest of 64, 128, 256 on the H200 (halved while the workgroup memory does not fit)
 MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
 class DecodeGeometry(Geometry):
-    """Geometry of the decode kernel: ``RMAX`` = NG heads per item, ``TK`` keys per tile,
-    ``RB`` accumulator slots of the final cross-group reduction."""
+    """Geometry of the decode kernel: ``RMAX`` = NG heads per item (<= 8), ``TK`` keys per tile
+    (a power of two dividing ``WG``)."""
 
-    RB: int = 1
     kernel: str = DECODE
 
     @property
     def workgroup_bytes(self) -> int:
-        return decode_workgroup_bytes(self.D, self.TK, self.RMAX, self.WG, self.RB)
+        return decode_workgroup_bytes(self.D, self.TK, self.RMAX, self.WG)
 
     def constants(self) -> dict[str, int]:
-        return {"D": self.D, "S": self.S, "TK": self.TK, "NG": self.RMAX, "WG": self.WG, "TD": self.TD,
-                "RB": self.RB}
+        return {"D": self.D, "S": self.S, "TK": self.TK, "NG": self.RMAX, "WG": self.WG, "TD": self.TD}
 
 
-def decode_workgroup_bytes(D: int, TK: int, NG: int, WG: int, RB: int) -> int:
+def decode_workgroup_bytes(D: int, TK: int, NG: int, WG: int) -> int:
     """Workgroup memory of psa_partials_decode.wgsl for these constants (arrays rounded to 16 B)."""
     TD = -(-D // 4)
-    TD4 = (TD + 3) // 4 * 4
-    TKP = TK + 1 - (TK & 1)
+    QH = 4 * (-(-NG // 4))
 
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    return (a(NG * TD4 * 16) + a(NG * TKP * 4) + a(TK * 4) + 3 * a(WG * 4) + a(NG * 4)
-            + a(RB * NG * TD * 16))
+    return a(QH * TD * 16) + a(2 * WG * 16) + a(2 * TK * 4) + 3 * a(WG * 4) + a(8 * 4)
 
 
 def decode_ineligible(*, D: int, max_slot_edges: int, wg_limit: int) -> str | None:
@@ -67,38 +63,36 @@ def decode_ineligible(*, D: int, max_slot_edges: int, wg_limit: int) -> str | No
     return None
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def choose_decode_geometry(*, D: int, S: int, G: int, block_size: int, kv_itemsize: int, wg_storage: int,
-                           wg_limit: int, wg_size: int | None = None) -> DecodeGeometry:
-    """Largest decode geometry that fits the workgroup memory (wgpu does not check it).
+                           wg_limit: int, wg_size: int | None = None, tile: int | None = None) -> DecodeGeometry:
+    """Decode geometry that fits the workgroup memory (wgpu does not check it).
 
-    NG is G rounded up to a power of two, at most 16 (larger G is split into items of 16 heads by
-    the planner); TK is one key per invocation, at most the block. Shrunk in order: reduction
-    slots RB, then TK (down to 32), then NG, then TK.
+    NG is G, at most 8 (larger G is split into items of at most 8 heads by the planner). The
+    workgroup size is a power of two, at least ceil(D / 4) and 8, at most ``wg_size`` (default
+    128), halved until the workgroup memory fits; TK (keys per tile) is the block rounded up to a
+    power of two, at most the workgroup size (or ``tile``).
     """
-    wg = min(wg_size or DECODE_WG, wg_limit)
-    wg = 1 << (wg.bit_length() - 1)  # a power of two: NG divides it
     TD = -(-D // 4)
-    if TD > wg:
-        raise UnsupportedError(f"backend 'wgpu': head_dim {D} needs a workgroup size >= {TD} [R18]")
-    ng = min(MAX_NG, 1 << max(0, G - 1).bit_length(), wg)
-    tk = max(1, min(wg, block_size))
-    kg = wg // TD
-    rb = max(1, kg - 1)
+    floor = _pow2_at_least(max(8, TD))
+    wg = min(wg_size or DECODE_WG, wg_limit)
+    wg = max(1 << (wg.bit_length() - 1), floor)  # a power of two: TK divides it
+    if wg > wg_limit:
+        raise UnsupportedError(f"backend 'wgpu': head_dim {D} needs a workgroup size >= {wg}, the device "
+                               f"allows {wg_limit} [R18]")
+    ng = min(MAX_NG, G)
 
-    def size() -> int:
-        return decode_workgroup_bytes(D, tk, ng, wg, rb)
+    def tk_for(w: int) -> int:
+        return max(1, min(w, _pow2_at_least(block_size), _pow2_at_least(tile) if tile else w))
 
-    while size() > wg_storage:
-        if rb > 1:
-            rb = (rb + 1) // 2
-        elif tk > 32:
-            tk = (tk + 1) // 2
-        elif ng > 1:
-            ng //= 2
-        elif tk > 1:
-            tk = (tk + 1) // 2
-        else:
+    while decode_workgroup_bytes(D, tk_for(wg), ng, wg) > wg_storage:
+        if wg // 2 < floor:
             raise UnsupportedError(
-                f"backend 'wgpu': the decode kernel for head_dim {D} needs {size()} bytes of workgroup "
-                f"memory, the device allows {wg_storage} [R18]")
-    return DecodeGeometry(D=D, S=S, G=G, TK=tk, RMAX=ng, WG=wg, TD=TD, kv_itemsize=kv_itemsize, RB=rb)
+                f"backend 'wgpu': the decode kernel for head_dim {D} needs "
+                f"{decode_workgroup_bytes(D, tk_for(wg), ng, wg)} bytes of workgroup memory, the device "
+                f"allows {wg_storage} [R18]")
+        wg //= 2
+    return DecodeGeometry(D=D, S=S, G=G, TK=tk_for(wg), RMAX=ng, WG=wg, TD=TD, kv_itemsize=kv_itemsize)

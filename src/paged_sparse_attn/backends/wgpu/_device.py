@@ -87,6 +87,9 @@ WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
 MAX_PIPELINES = 64
 """Compiled pipelines a device keeps (least recently used evicted first)."""
 
+MAX_BIND_GROUPS = 64
+"""Bind groups a device keeps for reuse (least recently used evicted first)."""
+
 
 class PipelineCache(OrderedDict):
     """Compiled pipelines by specialisation key; the least recently used go past ``maxsize``.
@@ -134,7 +137,8 @@ class DeviceContext:
     layouts: dict = field(default_factory=dict)
     scratch: tuple | None = None  # partials scratch buffers (o, ml), reused across calls
     pool: dict = field(default_factory=dict)  # per-call buffers by role, reused and grown
-    bind_groups: dict = field(default_factory=dict)  # bind groups by (layout, resources)
+    bind_groups: dict = field(default_factory=lambda: PipelineCache(MAX_BIND_GROUPS))  # see _transfer.bind_group
+    geometries: dict = field(default_factory=lambda: PipelineCache(MAX_PIPELINES))  # kernel geometries by call shape
     ns_per_tick: float = 1.0  # timestamp period: resolved query values are ticks of this many ns
 
 
@@ -265,3 +269,28 @@ def device_errors(what: str, **sizes: Any) -> Iterator[None]:
         ctx = ", ".join(f"{k}={v}" for k, v in sizes.items())
         kind = "out of memory" if isinstance(exc, MemoryError) else type(exc).__name__
         raise DeviceError(f"wgpu backend: {what} failed ({kind}){' with ' + ctx if ctx else ''}: {exc}") from exc
+
+
+def create_shader_module(device: Any, code: str, label: str, *, checks: bool = True) -> Any:
+    """A WGSL shader module; ``checks=False`` compiles it without the runtime checks.
+
+    By default naga clamps every array index and bounds every loop (WebGPU's safety rules).
+    ``checks=False`` goes through wgpu-native's ``wgpuDeviceCreateShaderModuleTrusted`` with no
+    checks: only for kernels whose every index the host has already proved in range (validation
+    plus planning), since an out-of-range access is then undefined behaviour on the device.
+    """
+    if checks:
+        return device.create_shader_module(code=code, label=label)
+    from wgpu.backends.wgpu_native import _api
+    from wgpu.backends.wgpu_native._ffi import ffi, lib
+
+    src = _api.new_struct_p("WGPUShaderSourceWGSL *", code=_api.to_c_string_view(code))
+    src[0].chain.next = ffi.NULL
+    src[0].chain.sType = lib.WGPUSType_ShaderSourceWGSL
+    desc = _api.new_struct_p("WGPUShaderModuleDescriptor *",
+                             nextInChain=ffi.cast("WGPUChainedStruct *", src),
+                             label=_api.to_c_string_view(label))
+    mid = lib.wgpuDeviceCreateShaderModuleTrusted(device._internal, desc, lib.WGPUShaderRuntimeChecks_None)
+    if mid == ffi.NULL:
+        raise RuntimeError(f"shader module creation failed: {label}")
+    return _api.GPUShaderModule(label, mid, device)

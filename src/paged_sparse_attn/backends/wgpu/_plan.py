@@ -27,6 +27,7 @@ batch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -101,13 +102,13 @@ class Geometry:
 
     @property
     def workgroup_bytes(self) -> int:
-        return workgroup_bytes(self.D, self.TK, self.RMAX, self.TD, self.kv_itemsize)
+        return workgroup_bytes(self.D, self.TK, self.RMAX, self.TD, self.kv_itemsize, self.WG)
 
     def constants(self) -> dict[str, int]:
         return {"D": self.D, "S": self.S, "TK": self.TK, "RMAX": self.RMAX, "WG": self.WG, "TD": self.TD}
 
 
-def workgroup_bytes(D: int, TK: int, RMAX: int, TD: int, kv_itemsize: int) -> int:
+def workgroup_bytes(D: int, TK: int, RMAX: int, TD: int, kv_itemsize: int, WG: int = 64) -> int:
     """Workgroup memory of psa_partials.wgsl for these constants (each array rounded to 16 bytes)."""
     KS = D + 1 - (D & 1)
     NRG = -(-RMAX // 4)
@@ -118,7 +119,7 @@ def workgroup_bytes(D: int, TK: int, RMAX: int, TD: int, kv_itemsize: int) -> in
         return (n + 15) // 16 * 16
 
     return (a(QS * D * 16) + a(TK * KS * kv_itemsize) + a(TK * TD * 4 * kv_itemsize)
-            + a(NRG * 4 * PS * 4) + a(2 * TK * 4) + 4 * a(RMAX * 4))
+            + a(NRG * 4 * PS * 4) + a(2 * TK * 4) + 4 * a(RMAX * 4) + 3 * a(WG * 4))
 
 
 def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int, kv_itemsize: int,
@@ -133,11 +134,11 @@ def choose_geometry(*, D: int, S: int, G: int, block_size: int, rows_needed: int
     if TD > wg_size:
         raise UnsupportedError(f"backend 'wgpu': head_dim {D} needs a workgroup size >= {TD} [R18]")
     TR = wg_size // TD
-    rmax = max(1, min(max_rmax, MAX_RMAX, 4 * TR, rows_needed))
+    rmax = max(1, min(max_rmax, MAX_RMAX, 4 * TR, wg_size, rows_needed))  # softmax: a row per invocation at least
     tk = max(1, min(max_tk, block_size))
 
     def size(tk: int, rmax: int) -> int:
-        return workgroup_bytes(D, tk, rmax, TD, kv_itemsize)
+        return workgroup_bytes(D, tk, rmax, TD, kv_itemsize, wg_size)
 
     while size(tk, rmax) > wg_storage:
         if tk > 8:
@@ -194,7 +195,11 @@ def chunk_starts_for(n_slabs: int, slab_bytes: int, binding_size: int) -> np.nda
 # --- index view --------------------------------------------------------------------------------
 
 class IndexView:
-    """Per-edge / per-slot arrays of a KVOuterIndex in the forms the planner needs (int64)."""
+    """Per-edge / per-slot arrays of a KVOuterIndex in the forms the planner needs (int64).
+
+    The arrays are made on first use: a call uses only some of them (a decode step on one cache
+    chunk needs no edge ranks, no slot of each edge, ...), and each costs a pass over the edges.
+    """
 
     def __init__(self, index: KVOuterIndex, G: int):
         self.index = index
@@ -203,45 +208,81 @@ class IndexView:
         self.S = index.page_size
         self.ppb = index.pages_per_block
         self.E = index.num_edges
-        counts = np.diff(index.slot_ptr.astype(np.int64))
-        self.slot_of_edge = np.repeat(np.arange(index.num_slots, dtype=np.int64), counts)
-        self.edge_len = index.edge_len.astype(np.int64)
-        self.edge_row = index.edge_rows()
-        self.edge_rank = index.edge_rank.astype(np.int64)
-        self.slot_h = index.slot_head.astype(np.int64)
-        self.slot_b = index.slot_seq.astype(np.int64)
-        self.slot_s = index.slot_block.astype(np.int64)
         self.bt = index.block_tables
-        self.max_slot_edges = int(counts.max()) if counts.size else 0
-        if self.E:
-            self.slot_maxlen = np.maximum.reduceat(self.edge_len, index.slot_ptr[:-1].astype(np.int64))
-        else:
-            self.slot_maxlen = np.zeros(0, dtype=np.int64)
+        self.slot_ptr = index.slot_ptr.astype(np.int64)
+        self.slot_counts = np.diff(self.slot_ptr)
+        self.max_slot_edges = int(self.slot_counts.max()) if self.slot_counts.size else 0
 
-    def slot_pages(self, slots: np.ndarray, maxlen: np.ndarray):
-        """Pages read by blocks ``slots`` up to ``maxlen`` positions: (owner, j, global slab or -1)."""
+    @cached_property
+    def slot_of_edge(self) -> np.ndarray:
+        return np.repeat(np.arange(self.index.num_slots, dtype=np.int64), self.slot_counts)
+
+    @cached_property
+    def edge_len(self) -> np.ndarray:
+        return self.index.edge_len.astype(np.int64)
+
+    @cached_property
+    def edge_row(self) -> np.ndarray:
+        return self.index.edge_rows()
+
+    @cached_property
+    def edge_rank(self) -> np.ndarray:
+        return self.index.edge_rank.astype(np.int64)
+
+    @cached_property
+    def slot_h(self) -> np.ndarray:
+        return self.index.slot_head.astype(np.int64)
+
+    @cached_property
+    def slot_b(self) -> np.ndarray:
+        return self.index.slot_seq.astype(np.int64)
+
+    @cached_property
+    def slot_s(self) -> np.ndarray:
+        return self.index.slot_block.astype(np.int64)
+
+    @cached_property
+    def slot_maxlen(self) -> np.ndarray:
+        """Longest edge of each slot group (the positions its block is read up to)."""
+        if not self.E:
+            return np.zeros(0, dtype=np.int64)
+        if self.max_slot_edges == 1:  # one edge per slot (decode): the edge lengths themselves
+            return self.edge_len
+        return np.maximum.reduceat(self.edge_len, self.slot_ptr[:-1])
+
+    def slot_pages(self, slots: np.ndarray | None, maxlen: np.ndarray):
+        """Pages read by blocks ``slots`` (None: every slot) up to ``maxlen`` positions.
+
+        Returns ``(npg, off, gslab)``: pages per slot, their offsets (exclusive cumsum) and the
+        global slab (``page * Hkv + head``, or -1 for an unmapped page) of each, slot-major.
+        """
         npg = (maxlen + self.S - 1) // self.S
         off = _excl_cumsum(npg)
-        owner = np.repeat(np.arange(slots.shape[0], dtype=np.int64), npg)
-        j = np.arange(int(off[-1]), dtype=np.int64) - off[owner]
-        sl = slots[owner]
-        p = self.bt[self.slot_b[sl], self.slot_s[sl] * self.ppb + j].astype(np.int64)
-        gslab = np.where(p >= 0, p * self.Hkv + self.slot_h[sl], -1)
-        return npg, off, owner, gslab
+        h, b, s = (self.slot_h, self.slot_b, self.slot_s) if slots is None else \
+            (self.slot_h[slots], self.slot_b[slots], self.slot_s[slots])
+        # every slot's block as a row of ppb pages (in range of bt: s < msb), cut to npg pages;
+        # a boolean mask compresses row-major, i.e. slot-major then page order
+        j = np.arange(self.ppb, dtype=np.int64)
+        p = np.take(self.bt.reshape(-1), (b * self.bt.shape[1] + s * self.ppb)[:, None] + j).astype(np.int64)
+        gslab = np.where(p >= 0, p * self.Hkv + h[:, None], -1)
+        if int(off[-1]) != gslab.size:
+            gslab = gslab[j < npg[:, None]]
+        return npg, off, gslab.reshape(-1)
 
     def needed_slabs(self) -> np.ndarray:
         """Sorted global ids of every slab some edge reads (for compact uploads)."""
         if not self.E:
             return np.zeros(0, dtype=np.int64)
-        _, _, _, gslab = self.slot_pages(np.arange(self.slot_h.shape[0]), self.slot_maxlen)
+        _, _, gslab = self.slot_pages(None, self.slot_maxlen)
         return np.unique(gslab[gslab >= 0])
 
     def chunks_per_slot(self, smap: SlabMap) -> np.ndarray:
         """Distinct chunks each slot group's block touches (at least 1)."""
-        n = self.slot_h.shape[0]
+        n = self.index.num_slots
         if smap.n_chunks <= 1 or n == 0:
             return np.ones(n, dtype=np.int64)
-        _, _, owner, gslab = self.slot_pages(np.arange(n), self.slot_maxlen)
+        npg, _, gslab = self.slot_pages(None, self.slot_maxlen)
+        owner = np.repeat(np.arange(n, dtype=np.int64), npg)
         ok = gslab >= 0
         ch = smap.chunk_of(smap.to_device(gslab[ok]))
         key = np.unique(owner[ok] * smap.n_chunks + ch)
@@ -281,44 +322,63 @@ class BatchPlan:
         return self.n_dest // self.group_size + 1
 
 
-def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lrow: np.ndarray) -> dict:
-    """Work items, item-chunks, page lists and partial-row groups for the edges ``eids``."""
+def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lrow: np.ndarray,
+           full: bool = False) -> dict:
+    """Work items, item-chunks, page lists and partial-row groups for the edges ``eids``.
+
+    ``full``: ``eids`` is every edge in order (``arange(E)``), so slot-level arrays apply as is.
+    """
     G = geom.G
     E = eids.shape[0]
-    sl = view.slot_of_edge[eids]
-    lens = view.edge_len[eids]
-    new_run = np.ones(E, dtype=bool)
-    new_run[1:] = sl[1:] != sl[:-1]
-    run_start = np.flatnonzero(new_run)
-    run_id = np.cumsum(new_run) - 1
-    pos = np.arange(E, dtype=np.int64) - run_start[run_id]
-    new_item = new_run | (pos % geom.edges_per_item == 0)
-    e_start = np.flatnonzero(new_item).astype(np.int64)  # per edge-item: first local edge
-    e_ne = np.diff(np.append(e_start, E))
-    e_max = np.maximum.reduceat(lens, e_start)
-    e_slot = sl[e_start]
+    if full and view.max_slot_edges <= geom.edges_per_item:
+        # every slot group is one edge-item (always so for decode): no per-edge run analysis
+        e_start = view.slot_ptr[:-1]
+        e_ne = view.slot_counts
+        e_max = view.slot_maxlen
+        e_slot = None  # = arange(n_slots)
+        lens = view.edge_len
+    else:
+        sl = view.slot_of_edge[eids]
+        lens = view.edge_len[eids]
+        new_run = np.ones(E, dtype=bool)
+        new_run[1:] = sl[1:] != sl[:-1]
+        run_start = np.flatnonzero(new_run)
+        run_id = np.cumsum(new_run) - 1
+        pos = np.arange(E, dtype=np.int64) - run_start[run_id]
+        new_item = new_run | (pos % geom.edges_per_item == 0)
+        e_start = np.flatnonzero(new_item).astype(np.int64)  # per edge-item: first local edge
+        e_ne = np.diff(np.append(e_start, E))
+        e_max = np.maximum.reduceat(lens, e_start)
+        e_slot = sl[e_start]
     nh, ngmax = geom.head_splits, geom.heads_per_item
+    n_eitems = e_start.shape[0]
     if nh > 1:  # item = (edge-item, head range); items of one edge-item are consecutive
+        if e_slot is None:
+            e_slot = np.arange(n_eitems, dtype=np.int64)
         istart, ine, imax, islot = (np.repeat(a, nh) for a in (e_start, e_ne, e_max, e_slot))
-        ig0 = np.tile(np.arange(nh, dtype=np.int64) * ngmax, e_start.shape[0])
+        ig0 = np.tile(np.arange(nh, dtype=np.int64) * ngmax, n_eitems)
         ing = np.minimum(ngmax, G - ig0)
     else:
         istart, ine, imax, islot = e_start, e_ne, e_max, e_slot
-        ig0 = np.zeros(istart.shape[0], dtype=np.int64)
-        ing = np.full(istart.shape[0], G, dtype=np.int64)
+        ig0 = None  # = 0: every item holds heads 0..G-1
     n_items = istart.shape[0]
 
-    npg, pg_off, owner, gslab = view.slot_pages(islot, imax)
+    npg, pg_off, gslab = view.slot_pages(islot, imax)
     ok = gslab >= 0
-    dslab = np.full(gslab.shape[0], -1, dtype=np.int64)
-    dslab[ok] = smap.to_device(gslab[ok])
+    if smap.slab_ids is None:
+        dslab = gslab  # -1 where unmapped
+    else:
+        dslab = np.full(gslab.shape[0], -1, dtype=np.int64)
+        dslab[ok] = smap.to_device(gslab[ok])
     nc = smap.n_chunks
     if nc == 1:
-        ic_item = np.arange(n_items, dtype=np.int64)
+        ic_item = None  # = arange(n_items): item-chunk i is item i
         ic_chunk = np.zeros(n_items, dtype=np.int64)
-        pages = np.where(ok, dslab - smap.chunk_starts[0], INVALID).astype(np.uint32)
+        cs0 = int(smap.chunk_starts[0])
+        pages = dslab if cs0 == 0 else np.where(ok, dslab - cs0, INVALID)  # unmapped: -1 = INVALID as u32
         icpg_off = pg_off
     else:  # one item-chunk per chunk the item's readable pages lie in; none if it has none
+        owner = np.repeat(np.arange(n_items, dtype=np.int64), npg)
         chunk = np.full(gslab.shape[0], -1, dtype=np.int64)
         chunk[ok] = smap.chunk_of(dslab[ok])
         key = np.unique(owner[ok] * nc + chunk[ok])
@@ -331,12 +391,15 @@ def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lro
         src = pg_off[ic_item[icx]] + (np.arange(int(icpg_off[-1]), dtype=np.int64) - icpg_off[icx])
         same = chunk[src] == ic_chunk[icx]
         rel = dslab[src] - smap.chunk_starts[np.maximum(chunk[src], 0)]
-        pages = np.where(same, rel, INVALID).astype(np.uint32)
-    n_ic = ic_item.shape[0]
+        pages = np.where(same, rel, INVALID)
+    n_ic = n_items if ic_item is None else ic_item.shape[0]
+
+    def per_ic(a: np.ndarray) -> np.ndarray:
+        return a if ic_item is None else a[ic_item]
 
     # partial-row groups: one per (edge, chunk) piece; with one chunk, group = local edge
     if nc == 1:
-        group0 = istart[ic_item]
+        group0 = istart
         n_groups = E
         group_le = group_chunk = None
     else:
@@ -350,29 +413,39 @@ def _items(view: IndexView, geom: Geometry, smap: SlabMap, eids: np.ndarray, lro
         pog = np.repeat(np.arange(pkey.shape[0], dtype=np.int64), p_ne)
         group_le = e_start[p_eitem[pog]] + (np.arange(n_groups, dtype=np.int64) - pbase[pog])
         group_chunk = (pkey % nc)[pog]
-    prow0 = group0 * G + ig0[ic_item]
 
+    # the words, written in place as u32 (values wrap like astype(uint32): INVALID = -1)
     erec_base = n_ic * ITEM_WORDS
     page_base = erec_base + 2 * E
-    items = np.zeros((n_ic, ITEM_WORDS), dtype=np.int64)
-    items[:, 0] = imax[ic_item]
-    items[:, 1] = ine[ic_item]
-    items[:, 2] = ig0[ic_item]
-    items[:, 3] = ing[ic_item]
-    items[:, 4] = erec_base + 2 * istart[ic_item]
+    words = np.empty(page_base + pages.shape[0], dtype=np.uint32)
+    items = words[:erec_base].reshape(n_ic, ITEM_WORDS)
+    items[:, 0] = per_ic(imax)
+    items[:, 1] = per_ic(ine)
+    if ig0 is None:
+        items[:, 2] = 0
+        items[:, 3] = G
+        items[:, 6] = group0 * G
+    else:
+        items[:, 2] = per_ic(ig0)
+        items[:, 3] = per_ic(ing)
+        items[:, 6] = group0 * G + per_ic(ig0)
+    items[:, 4] = erec_base + 2 * per_ic(istart)
     items[:, 5] = page_base + icpg_off[:n_ic]
-    items[:, 6] = prow0
-    erec = np.empty((E, 2), dtype=np.int64)
+    items[:, 7:] = 0
+    erec = words[erec_base:page_base].reshape(E, 2)
     erec[:, 0] = lrow
     erec[:, 1] = lens
-    words = np.concatenate([items.ravel().astype(np.uint32), erec.ravel().astype(np.uint32), pages])
+    words[page_base:] = pages
 
     dispatches = []
     if n_ic:
-        bounds = np.flatnonzero(np.diff(ic_chunk)) + 1
-        starts = np.concatenate([[0], bounds])
-        ends = np.concatenate([bounds, [n_ic]])
-        dispatches = [(int(ic_chunk[a]), int(a), int(b - a)) for a, b in zip(starts, ends)]
+        if nc == 1:
+            dispatches = [(0, 0, n_ic)]
+        else:
+            bounds = np.flatnonzero(np.diff(ic_chunk)) + 1
+            starts = np.concatenate([[0], bounds])
+            ends = np.concatenate([bounds, [n_ic]])
+            dispatches = [(int(ic_chunk[a]), int(a), int(b - a)) for a, b in zip(starts, ends)]
     return dict(words=words, dispatches=dispatches, n_prows=n_groups * G, identity=nc == 1,
                 group_le=group_le, group_chunk=group_chunk)
 
@@ -411,6 +484,19 @@ def _caps(geom: Geometry, binding: int) -> tuple[int, int, int]:
     return prows, words, qrows
 
 
+def _fits_one_batch(view: IndexView, geom: Geometry, n_rows: int, cap_prows: int, cap_words: int,
+                    cap_qrows: int) -> bool:
+    """Whether all rows fit one forward batch, for a cache of one chunk (each edge: one piece).
+
+    The totals of the per-row costs :func:`plan_forward` hands to :func:`_batches`, in closed
+    form: with one chunk, an edge costs G partial rows and ``2 + head_splits * (ITEM_WORDS +
+    ppb)`` plan words, and a row ``G + 1`` merge words besides its partial rows.
+    """
+    E, G = view.E, geom.G
+    return (G * E <= cap_prows and E * (2 + geom.head_splits * (ITEM_WORDS + view.ppb)) <= cap_words
+            and G * E + n_rows * (G + 1) <= cap_words and n_rows <= cap_qrows)
+
+
 def _edge_costs(view: IndexView, geom: Geometry, smap: SlabMap, eids_order: np.ndarray):
     """Upper bounds per edge: partial rows, plan words (items + records + pages), merge words."""
     nch = view.chunks_per_slot(smap)[view.slot_of_edge[eids_order]]
@@ -425,37 +511,44 @@ def plan_forward(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) -
     n_rows = idx.num_queries * view.Hkv
     if n_rows == 0 or view.E == 0:
         return []
-    rprows, rplan = _edge_costs(view, geom, smap, idx.row_edges.astype(np.int64))
     row_ptr = idx.row_ptr.astype(np.int64)
-    nonempty = np.diff(row_ptr) > 0
-    per_row_prows = np.zeros(n_rows, dtype=np.int64)
-    per_row_plan = np.zeros(n_rows, dtype=np.int64)
-    if rprows.size:
-        starts = row_ptr[:-1][nonempty]
-        per_row_prows[nonempty] = np.add.reduceat(rprows, starts)
-        per_row_plan[nonempty] = np.add.reduceat(rplan, starts)
     cap_prows, cap_words, cap_qrows = _caps(geom, binding)
-    ones = np.ones(n_rows, dtype=np.int64)
-    ranges = _batches(
-        [per_row_prows, per_row_plan, per_row_prows + geom.G + 1, ones],
-        [cap_prows, cap_words, cap_words, cap_qrows],
-        ["partial rows", "plan words", "merge words", "query rows"], "(query, KV head) row", binding,
-        [4 * geom.D, 4, 4, 4 * geom.G * geom.D])
+    if smap.n_chunks == 1 and _fits_one_batch(view, geom, n_rows, cap_prows, cap_words, cap_qrows):
+        ranges = [(0, n_rows)]  # what _batches gives when everything fits, without the per-row costs
+    else:
+        rprows, rplan = _edge_costs(view, geom, smap, idx.row_edges.astype(np.int64))
+        nonempty = np.diff(row_ptr) > 0
+        per_row_prows = np.zeros(n_rows, dtype=np.int64)
+        per_row_plan = np.zeros(n_rows, dtype=np.int64)
+        if rprows.size:
+            starts = row_ptr[:-1][nonempty]
+            per_row_prows[nonempty] = np.add.reduceat(rprows, starts)
+            per_row_plan[nonempty] = np.add.reduceat(rplan, starts)
+        ones = np.ones(n_rows, dtype=np.int64)
+        ranges = _batches(
+            [per_row_prows, per_row_plan, per_row_prows + geom.G + 1, ones],
+            [cap_prows, cap_words, cap_words, cap_qrows],
+            ["partial rows", "plan words", "merge words", "query rows"], "(query, KV head) row", binding,
+            [4 * geom.D, 4, 4, 4 * geom.G * geom.D])
     plans = []
     for r0, r1 in ranges:
         sl_edges = idx.row_edges[row_ptr[r0]:row_ptr[r1]].astype(np.int64)  # by row, rank order
         if sl_edges.size == 0:
             continue
         # every edge of rows r0:r1; a single batch holds them all (no sort needed)
-        eids = np.arange(view.E, dtype=np.int64) if sl_edges.shape[0] == view.E else np.sort(sl_edges)
-        lrow = view.edge_row[eids] - r0
-        it = _items(view, geom, smap, eids, lrow)
+        full = sl_edges.shape[0] == view.E
+        eids = np.arange(view.E, dtype=np.int64) if full else np.sort(sl_edges)
+        lrow = view.edge_row if full and r0 == 0 else view.edge_row[eids] - r0
+        it = _items(view, geom, smap, eids, lrow, full=full)
         n_rows = r1 - r0
         if it["identity"]:  # group of edge e = its local index: the row lists its edges in rank order
             ptr = row_ptr[r0:r1 + 1] - row_ptr[r0]
-            local = np.empty(view.E, dtype=np.int64)
-            local[eids] = np.arange(eids.shape[0], dtype=np.int64)
-            elems = local[sl_edges]
+            if full:  # local index = edge id
+                elems = sl_edges
+            else:
+                local = np.empty(view.E, dtype=np.int64)
+                local[eids] = np.arange(eids.shape[0], dtype=np.int64)
+                elems = local[sl_edges]
         else:
             le, ch = it["group_le"], it["group_chunk"]
             order = np.lexsort((ch, view.edge_rank[eids][le], lrow[le]))
@@ -485,7 +578,7 @@ def plan_partials(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) 
         eids = eall[e0:e1]
         rows = view.edge_row[eids]
         q_rows, lrow = np.unique(rows, return_inverse=True)
-        it = _items(view, geom, smap, eids, lrow.reshape(-1).astype(np.int64))
+        it = _items(view, geom, smap, eids, lrow.reshape(-1).astype(np.int64), full=(e1 - e0 == E))
         merge = None
         if not it["identity"]:  # merge the per-chunk pieces of every edge
             le, ch = it["group_le"], it["group_chunk"]

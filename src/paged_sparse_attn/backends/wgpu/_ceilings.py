@@ -1,0 +1,93 @@
+"""Ceilings of a device measured through wgpu: a streaming read of one buffer.
+
+The benchmark reports a backend's kernel times against the memory floor; the floor's bandwidth
+is the best the run measured. :func:`read_bandwidth` gives the rate a kernel reaches when it only
+reads (``psa_read_bandwidth.wgsl``), through the same API, compiler and driver as our kernels:
+the ceiling for a read-bound kernel such as decode on this stack.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ._device import device_errors
+from ._shaders import shader_source
+
+__all__ = ["READ_KERNEL", "read_bandwidth"]
+
+READ_KERNEL = "psa_read_bandwidth.wgsl"
+READ_WG = 256
+
+
+def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 4096) -> dict:
+    """Bytes/s of ``psa_read_bandwidth.wgsl`` reading ``nbytes`` (capped by the binding size).
+
+    Returns ``dict(bytes_per_s, read_s, read_bytes, timer)``: the median of ``repeat`` timed
+    runs after one warm-up; GPU timestamps when the device has them, else host time around
+    submit and wait.
+    """
+    import wgpu
+
+    dev = ctx.device
+    n = max(4096, min(int(nbytes), ctx.binding_size, ctx.buffer_size))
+    n -= n % 4096
+    U = wgpu.BufferUsage
+    use_ts = "timestamp-query" in ctx.features
+    groups = max(1, min(int(workgroups), ctx.workgroups_per_dim))
+    bufs = []
+    try:
+        with device_errors("read_bandwidth", bytes=n):
+            src = dev.create_buffer(size=n, usage=U.STORAGE)
+            sink = dev.create_buffer(size=16, usage=U.STORAGE)
+            params = dev.create_buffer(size=16, usage=U.UNIFORM | U.COPY_DST)
+            bufs += [src, sink, params]
+            dev.queue.write_buffer(params, 0, np.array([n // 16, groups * READ_WG, 0xDEADBEEF, 0], np.uint32))
+            module = dev.create_shader_module(code=shader_source(READ_KERNEL), label=READ_KERNEL)
+            pipe = dev.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                                       "constants": {"WG": READ_WG}})
+            bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=[
+                {"binding": 0, "resource": {"buffer": params}},
+                {"binding": 1, "resource": {"buffer": src}},
+                {"binding": 2, "resource": {"buffer": sink}}])
+            if use_ts:
+                qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+                res = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
+                rb = dev.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
+                bufs += [res, rb]
+            times = []
+            for i in range(int(repeat) + 1):
+                enc = dev.create_command_encoder()
+                tw = {"query_set": qset, "beginning_of_pass_write_index": 0,
+                      "end_of_pass_write_index": 1} if use_ts else None
+                cp = enc.begin_compute_pass(timestamp_writes=tw) if use_ts else enc.begin_compute_pass()
+                cp.set_pipeline(pipe)
+                cp.set_bind_group(0, bg)
+                cp.dispatch_workgroups(groups)
+                cp.end()
+                if use_ts:
+                    enc.resolve_query_set(qset, 0, 2, res, 0)
+                    enc.copy_buffer_to_buffer(res, 0, rb, 0, 16)
+                t0 = time.perf_counter()
+                dev.queue.submit([enc.finish()])
+                if use_ts:
+                    rb.map_sync(wgpu.MapMode.READ)
+                    a, b = np.frombuffer(rb.read_mapped(), dtype=np.uint64).astype(np.int64)
+                    rb.unmap()
+                    dt = (b - a) * ctx.ns_per_tick * 1e-9
+                else:
+                    dev.queue.on_submitted_work_done_sync()
+                    dt = time.perf_counter() - t0
+                if i:  # the first run warms up
+                    times.append(dt)
+    finally:
+        for b in bufs:
+            try:
+                b.destroy()
+            except Exception:
+                pass
+    t = float(np.median(times))
+    return dict(bytes_per_s=n / t if t > 0 else float("nan"), read_s=t, read_bytes=n,
+                timer="timestamp-query" if use_ts else "wall")
