@@ -124,3 +124,17 @@ def test_geometry_is_chosen_per_call(WgpuBackend):
     fixed = WgpuBackend(workgroup_size=64)
     _fwd(prefill, fixed)
     assert fixed.last_timings["geometry"].WG == 64
+
+
+def test_ceilings_and_profiling_without_timestamps_use_the_wall_clock(WgpuBackend):
+    """A device without timestamp queries: copy / read bandwidth and profile_forward fall back
+    to host time around submit and wait (and say so)."""
+    be = WgpuBackend(required_limits="default", disable_features=("timestamp-query",))
+    assert "timestamp-query" not in be.capabilities.features
+    assert be.copy_bandwidth(1 << 20, repeat=2) > 0 and be.last_timings["timer"] == "wall"
+    assert be.read_bandwidth(1 << 20, repeat=2, warmup_s=0.01) > 0 and be.last_timings["timer"] == "wall"
+    args = make_problem(9, seqlens_q=(2, 1), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
+    kd, vd = be.upload_kv_cache(args.k_cache, args.v_cache)
+    p, idx = _problem_and_index(args, kd, vd)
+    prof = be.profile_forward(p, idx, repeat=2, replay=3)
+    assert prof["timer"] == "wall" and prof["total_s"] > 0 and prof["replay"] == 3

@@ -16,18 +16,27 @@ import numpy as np
 from ._device import device_errors
 from ._shaders import shader_source
 
-__all__ = ["READ_KERNEL", "read_bandwidth"]
+__all__ = ["READ_KERNEL", "read_bandwidth", "wait_idle"]
 
 READ_KERNEL = "psa_read_bandwidth.wgsl"
 READ_WG = 256
 
 
-def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 4096) -> dict:
+def wait_idle(dev: Any, buf: Any) -> None:
+    """Block until the submitted work is done: read 4 bytes of ``buf`` (needs COPY_SRC) back.
+
+    (wgpu-py's ``on_submitted_work_done_sync`` fails with the wgpu-native it ships with.)
+    """
+    dev.queue.read_buffer(buf, 0, 4)
+
+
+def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 4096, warmup_s: float = 0.0) -> dict:
     """Bytes/s of ``psa_read_bandwidth.wgsl`` reading ``nbytes`` (capped by the binding size).
 
     Returns ``dict(bytes_per_s, read_s, read_bytes, timer)``: the median of ``repeat`` timed
-    runs after one warm-up; GPU timestamps when the device has them, else host time around
-    submit and wait.
+    runs after one warm-up run, or after ``warmup_s`` seconds of untimed runs (a GPU that has
+    been idle runs at its idle clock at first); GPU timestamps when the device has them, else
+    host time around submit and wait.
     """
     import wgpu
 
@@ -41,7 +50,7 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
     try:
         with device_errors("read_bandwidth", bytes=n):
             src = dev.create_buffer(size=n, usage=U.STORAGE)
-            sink = dev.create_buffer(size=16, usage=U.STORAGE)
+            sink = dev.create_buffer(size=16, usage=U.STORAGE | U.COPY_SRC)
             params = dev.create_buffer(size=16, usage=U.UNIFORM | U.COPY_DST)
             bufs += [src, sink, params]
             dev.queue.write_buffer(params, 0, np.array([n // 16, groups * READ_WG, 0xDEADBEEF, 0], np.uint32))
@@ -58,6 +67,17 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
                 rb = dev.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
                 bufs += [res, rb]
             times = []
+            t_warm = time.perf_counter()
+            while time.perf_counter() - t_warm < float(warmup_s):
+                enc = dev.create_command_encoder()
+                cp = enc.begin_compute_pass()
+                cp.set_pipeline(pipe)
+                cp.set_bind_group(0, bg)
+                for _ in range(8):
+                    cp.dispatch_workgroups(groups)
+                cp.end()
+                dev.queue.submit([enc.finish()])
+                wait_idle(dev, sink)
             for i in range(int(repeat) + 1):
                 enc = dev.create_command_encoder()
                 tw = {"query_set": qset, "beginning_of_pass_write_index": 0,
@@ -78,7 +98,7 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
                     rb.unmap()
                     dt = (b - a) * ctx.ns_per_tick * 1e-9
                 else:
-                    dev.queue.on_submitted_work_done_sync()
+                    wait_idle(dev, sink)
                     dt = time.perf_counter() - t0
                 if i:  # the first run warms up
                     times.append(dt)

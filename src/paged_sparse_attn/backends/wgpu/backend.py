@@ -26,7 +26,7 @@ from ..._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Par
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
-from ._ceilings import read_bandwidth
+from ._ceilings import read_bandwidth, wait_idle
 from ._decode import DECODE, KERNELS, choose_decode_geometry, decode_ineligible
 from ._device import DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, device_errors, open_device
 from ._index_branch import IndexBranchMixin
@@ -650,7 +650,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
                             rb.unmap()
                             dt = (b - a) * ctx.ns_per_tick * 1e-9
                         else:
-                            dev.queue.on_submitted_work_done_sync()
+                            wait_idle(dev, dst)
                             dt = time.perf_counter() - t0
                         if i:  # the first run warms up
                             times.append(dt)
@@ -664,15 +664,16 @@ class WgpuBackend(IndexBranchMixin, Backend):
             self.last_timings = dict(copy_s=t, copy_bytes=n, timer="timestamp-query" if use_ts else "wall")
             return 2.0 * n / t if t > 0 else float("nan")
 
-    def read_bandwidth(self, nbytes: int = 1 << 30, repeat: int = 10) -> float:
+    def read_bandwidth(self, nbytes: int = 1 << 30, repeat: int = 10, warmup_s: float = 0.0) -> float:
         """Streaming read bandwidth in bytes/s (bytes read), median of ``repeat``.
 
         Times ``psa_read_bandwidth.wgsl`` reading one buffer of ``nbytes`` (capped by the
-        binding size): what a read-bound kernel can reach through wgpu on this device.
+        binding size): what a read-bound kernel can reach through wgpu on this device, after
+        ``warmup_s`` seconds of untimed reads (clocks rise under load).
         :attr:`last_timings` holds ``read_s``, ``read_bytes`` and ``timer``.
         """
         with self._lock:
-            r = read_bandwidth(self._device(), nbytes, repeat)
+            r = read_bandwidth(self._device(), nbytes, repeat, warmup_s=warmup_s)
         self.last_timings = {k: v for k, v in r.items() if k != "bytes_per_s"}
         return r["bytes_per_s"]
 
