@@ -14,8 +14,10 @@
 // flight. Neither K nor V is staged: both are read from the cache straight into registers.
 //
 // Per edge, the block is walked in tiles of TK keys (one tile when the block fits); per tile:
-//   A. scores: invocation (key k = tid % TK, slice s = tid / TK) reads its K row's slice s
-//      (TDS vec4s, four loads issued before the math) and forms partial dot products with all
+//   A. scores: invocation (key k = tid / DS, slice s = tid % DS) reads vec4s s, s + DS, ... of
+//      its K row (four loads issued before the math; the DS invocations of a key are
+//      neighbours, so one load instruction of a warp touches 32 / DS rows, not 32) and
+//      forms partial dot products with all
 //      (up to 8) heads, held in two vec4 registers; the query tile is read from workgroup
 //      memory at one address per warp (a broadcast); partials go to `sbuf` [slice][key][head];
 //   B. softmax: SL = WG / 8 invocations per head slot take a strided share of the tile's keys,
@@ -49,7 +51,6 @@ override NG: u32;
 override WG: u32 = 256u;
 override TD: u32;
 override DS: u32 = WG / TK;                        // head-dim slices of the score phase
-override TDS: u32 = (TD + DS - 1u) / DS;           // vec4s per slice
 override QH: u32 = 4u * ((NG + 3u) / 4u);          // head slots in use: NG rounded up to 4
 override KG: u32 = WG / TD;                        // key groups of the P·V phase
 override SL: u32 = WG / 8u;                        // softmax invocations per head slot
@@ -95,9 +96,9 @@ fn locate(pages: u32, pos: u32, len: u32) -> u32 {
     return slab * params.slab_stride + (pos % S) * TD;
 }
 
-// K vec4 j of a row, or zeros from jend on (the end of the invocation's slice: not its share)
-fn kload(row: u32, j: u32, jend: u32) -> vec4<f32> {
-    if (j < jend) {
+// K vec4 j of a row, or zeros past the row's TD vec4s
+fn kload(row: u32, j: u32) -> vec4<f32> {
+    if (j < TD) {
         return vec4<f32>(k_cache[row + j]);
     }
     return vec4<f32>(0.0);
@@ -138,9 +139,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let pages = plan[ib + 5u];
     let prow0 = plan[ib + 6u];
 
-    let sk = tid % TK;           // scores: key and head-dim slice of this invocation
-    let ss = tid / TK;
-    let j0 = ss * TDS;
+    let ss = tid % DS;           // scores: head-dim slice and key of this invocation; the DS
+    let sk = tid / DS;           // invocations of a key are neighbours and read interleaved vec4s
     let sh = tid / SL;           // softmax: head slot of this invocation (0..7)
     let lane = tid - sh * SL;
     let hq = sh / 4u;            // its vec4 of sbuf and component
@@ -188,16 +188,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             var shi = vec4<f32>(0.0);
             let row = key_row[cur + sk];
             if (row != INVALID) {
-                let jend = min(j0 + TDS, TD);
-                for (var j = j0; j < jend; j += 4u) {
-                    let k0v = kload(row, j, jend);
-                    let k1v = kload(row, j + 1u, jend);
-                    let k2v = kload(row, j + 2u, jend);
-                    let k3v = kload(row, j + 3u, jend);
-                    // past jend the K values are zeros; the q index is clamped into the head's row
-                    let i1 = min(j + 1u, TD - 1u);
-                    let i2 = min(j + 2u, TD - 1u);
-                    let i3 = min(j + 3u, TD - 1u);
+                for (var j = ss; j < TD; j += 4u * DS) {
+                    let k0v = kload(row, j);
+                    let k1v = kload(row, j + DS);
+                    let k2v = kload(row, j + 2u * DS);
+                    let k3v = kload(row, j + 3u * DS);
+                    // past TD the K values are zeros; the q index is clamped into the head's row
+                    let i1 = min(j + DS, TD - 1u);
+                    let i2 = min(j + 2u * DS, TD - 1u);
+                    let i3 = min(j + 3u * DS, TD - 1u);
                     slo.x += dot(q_s[j], k0v) + dot(q_s[i1], k1v) + dot(q_s[i2], k2v) + dot(q_s[i3], k3v);
                     slo.y += dot(q_s[TD + j], k0v) + dot(q_s[TD + i1], k1v) + dot(q_s[TD + i2], k2v)
                            + dot(q_s[TD + i3], k3v);
@@ -217,8 +216,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     }
                 }
             }
-            sbuf[2u * tid] = slo;        // tid = ss * TK + sk: [slice][key]
-            sbuf[2u * tid + 1u] = shi;
+            sbuf[2u * (ss * TK + sk)] = slo;        // [slice][key]
+            sbuf[2u * (ss * TK + sk) + 1u] = shi;
             for (var k = tid; k < TK; k += WG) {
                 key_row[TK - cur + k] = locate(pages, k0 + TK + k, len);
             }

@@ -203,3 +203,15 @@ def test_profile_forward_kernel_override_times_both_kernels(WgpuBackend):
     assert be.last_timings["kernel"] == DECODE
     with pytest.raises(ValueError, match="kernel"):
         be.profile_forward(p, idx, repeat=1, kernel="fast")
+
+
+@pytest.mark.parametrize("tile", [1, 4, 32, 128])
+def test_R9_R14_decode_kernel_every_head_dim_slicing(WgpuBackend, tile):
+    """Keys per tile from 1 to 128 give DS = WG / TK interleaved head-dim slices per key (from
+    WG down to 1): every slicing matches the reference, blocks longer than a tile included."""
+    be = WgpuBackend(partials_kernel="decode", workgroup_size=128)
+    be._tune = {"max_tk": tile}
+    pb = make_problem(31 + tile, seqlens_q=(1, 1, 1), G=8, D=48, page_size=8, ppb=4, msb=4, dtype=np.float16)
+    _check(pb, be)
+    g = be.last_timings["geometry"]
+    assert g.TK == min(tile, 32) and g.WG == 128

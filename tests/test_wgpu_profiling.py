@@ -116,7 +116,7 @@ def test_geometry_is_chosen_per_call(WgpuBackend):
     g = be.last_timings["geometry"]
     from paged_sparse_attn.backends.wgpu._decode import DECODE_WG
 
-    assert (g.WG, g.TK) == (DECODE_WG, 16)  # the decode kernel's default size; TK = min(WG, block 16)
+    assert (g.WG, g.TK) == (DECODE_WG, 16)  # the decode kernel's default size; TK = min(WG / 2, block 16)
     prefill = make_problem(8, seqlens_q=(12,), G=4, D=64, page_size=4, ppb=4, msb=3, topk=3, used="full")
     _fwd(prefill, be)
     g = be.last_timings["geometry"]

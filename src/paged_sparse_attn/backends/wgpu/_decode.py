@@ -22,6 +22,7 @@ DECODE = "psa_partials_decode.wgsl"
 KERNELS = {"generic": GENERIC, "decode": DECODE}
 MAX_NG = 8           # the kernel keeps 8 head slots in two vec4 registers (larger G: items of 8)
 DECODE_WG = 128      # invocations per workgroup: the fastest of 64, 128, 256 on the H200 (halved while the workgroup memory does not fit)
+DECODE_DS = 2        # head-dim slices per key in the score phase (TK = WG / 2): the fastest of 1, 2, 4, 8
 MAX_HEAD_DIM = 256
 
 
@@ -74,7 +75,8 @@ def choose_decode_geometry(*, D: int, S: int, G: int, block_size: int, kv_itemsi
     NG is G, at most 8 (larger G is split into items of at most 8 heads by the planner). The
     workgroup size is a power of two, at least ceil(D / 4) and 8, at most ``wg_size`` (default
     128), halved until the workgroup memory fits; TK (keys per tile) is the block rounded up to a
-    power of two, at most the workgroup size (or ``tile``).
+    power of two, at most half the workgroup size (``DECODE_DS`` invocations per key in the score
+    phase), or ``tile`` when given.
     """
     TD = -(-D // 4)
     floor = _pow2_at_least(max(8, TD))
@@ -86,7 +88,8 @@ def choose_decode_geometry(*, D: int, S: int, G: int, block_size: int, kv_itemsi
     ng = min(MAX_NG, G)
 
     def tk_for(w: int) -> int:
-        return max(1, min(w, _pow2_at_least(block_size), _pow2_at_least(tile) if tile else w))
+        cap = _pow2_at_least(tile) if tile else max(1, w // DECODE_DS)
+        return max(1, min(w, _pow2_at_least(block_size), cap))
 
     while decode_workgroup_bytes(D, tk_for(wg), ng, wg) > wg_storage:
         if wg // 2 < floor:

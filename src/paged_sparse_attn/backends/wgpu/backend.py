@@ -765,7 +765,8 @@ class WgpuBackend(IndexBranchMixin, Backend):
                 try:
                     return choose_decode_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
                                                   kv_itemsize=itemsize, wg_storage=ctx.workgroup_storage,
-                                                  wg_limit=ctx.max_invocations, wg_size=self._wg)
+                                                  wg_limit=ctx.max_invocations, wg_size=self._wg,
+                                                  tile=self._tune.get("max_tk"))
                 except UnsupportedError as exc:
                     why = str(exc)
             if want == "decode":
