@@ -16,10 +16,10 @@
 // Per edge, the block is walked in tiles of TK keys (one tile when the block fits); per tile:
 //   A. scores: invocation (key k = tid / DS, slice s = tid % DS) reads vec4s s, s + DS, ... of
 //      its K row (four loads issued before the math; the DS invocations of a key are
-//      neighbours, so one load instruction of a warp touches 32 / DS rows, not 32) and
-//      forms partial dot products with all
-//      (up to 8) heads, held in two vec4 registers; the query tile is read from workgroup
-//      memory at one address per warp (a broadcast); partials go to `sbuf` [slice][key][head];
+//      neighbours, so one load instruction of a warp touches 32 / DS rows, not 32) and forms
+//      partial dot products with all (up to 8) heads, held in two vec4 registers; the query
+//      tile is read from workgroup memory at DS consecutive addresses per warp (no bank
+//      conflicts); partials go to `sbuf` [slice][key][head];
 //   B. softmax: SL = WG / 8 invocations per head slot take a strided share of the tile's keys,
 //      sum the DS slices of each score in a fixed order, and exchange partial maxima, then
 //      partial sums, once each through workgroup memory; every invocation of a head reduces
