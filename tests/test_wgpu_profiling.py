@@ -78,20 +78,13 @@ def test_runtime_checks_do_not_change_results(WgpuBackend):
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-def test_read_bandwidth_is_positive_and_reports_its_timer(WgpuBackend):
+@pytest.mark.parametrize("what", ["copy", "read"])
+def test_bandwidth_ceilings_are_positive_and_report_their_timer(WgpuBackend, what):
     be = WgpuBackend(required_limits="default")
-    bw = be.read_bandwidth(1 << 20, repeat=2)
+    bw = getattr(be, f"{what}_bandwidth")(1 << 20, repeat=2)
     assert np.isfinite(bw) and bw > 0
     want = "timestamp-query" if "timestamp-query" in be.capabilities.features else "wall"
-    assert be.last_timings["timer"] == want and be.last_timings["read_bytes"] == 1 << 20
-
-
-def test_copy_bandwidth_is_positive_and_reports_its_timer(WgpuBackend):
-    be = WgpuBackend(required_limits="default")
-    bw = be.copy_bandwidth(1 << 20, repeat=2)
-    assert np.isfinite(bw) and bw > 0
-    want = "timestamp-query" if "timestamp-query" in be.capabilities.features else "wall"
-    assert be.last_timings["timer"] == want and be.last_timings["copy_bytes"] == 1 << 20
+    assert be.last_timings["timer"] == want and be.last_timings[f"{what}_bytes"] == 1 << 20
 
 
 def test_pooled_buffers_grow_and_shrink_across_calls_without_stale_data(WgpuBackend):

@@ -1,25 +1,28 @@
-"""Ceilings of a device measured through wgpu: a streaming read of one buffer.
+"""Ceilings of a device measured through wgpu: a buffer copy and a streaming read.
 
 The benchmark reports a backend's kernel times against the memory floor; the floor's bandwidth
-is the best the run measured. :func:`read_bandwidth` gives the rate a kernel reaches when it only
-reads (``psa_read_bandwidth.wgsl``), through the same API, compiler and driver as our kernels:
-the ceiling for a read-bound kernel such as decode on this stack.
+is the best the run measured. :func:`copy_bandwidth` times ``copy_buffer_to_buffer``;
+:func:`read_bandwidth` gives the rate a kernel reaches when it only reads
+(``psa_read_bandwidth.wgsl``), through the same API, compiler and driver as our kernels: the
+ceiling for a read-bound kernel such as decode on this stack. Both time their commands the same
+way (:func:`median_time`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from ._device import device_errors
 from ._shaders import shader_source
 
-__all__ = ["READ_KERNEL", "read_bandwidth", "wait_idle"]
+__all__ = ["READ_KERNEL", "copy_bandwidth", "median_time", "read_bandwidth", "wait_idle"]
 
 READ_KERNEL = "psa_read_bandwidth.wgsl"
 READ_WG = 256
+WARMUP_RUNS_PER_SUBMIT = 8
 
 
 def wait_idle(dev: Any, buf: Any) -> None:
@@ -30,13 +33,107 @@ def wait_idle(dev: Any, buf: Any) -> None:
     dev.queue.read_buffer(buf, 0, 4)
 
 
+def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, repeat: int,
+                warmup_s: float = 0.0) -> tuple[float, str]:
+    """Median seconds of the commands ``encode(encoder, qset)`` records, and the timer used.
+
+    ``encode`` records one run; with a query set it also writes timestamp 0 at the run's start
+    and 1 at its end. First untimed runs for ``warmup_s`` seconds, eight per submission (a GPU
+    that has been idle runs at its idle clock at first), then one warm-up run and ``repeat``
+    timed ones, one submission each. GPU timestamps when the device has them (``"timestamp-query"``),
+    else host time around submit and wait (``"wall"``; ``wait_buf`` needs COPY_SRC).
+    """
+    import wgpu
+
+    dev = ctx.device
+    U = wgpu.BufferUsage
+    t_warm = time.perf_counter()
+    while time.perf_counter() - t_warm < float(warmup_s):
+        enc = dev.create_command_encoder()
+        for _ in range(WARMUP_RUNS_PER_SUBMIT):  # the GPU stays busy between host round trips
+            encode(enc, None)
+        dev.queue.submit([enc.finish()])
+        wait_idle(dev, wait_buf)
+    use_ts = "timestamp-query" in ctx.features
+    bufs = []
+    times = []
+    try:
+        qset = None
+        if use_ts:
+            qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+            res = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
+            rb = dev.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
+            bufs += [res, rb]
+        for i in range(int(repeat) + 1):
+            enc = dev.create_command_encoder()
+            encode(enc, qset)
+            if use_ts:
+                enc.resolve_query_set(qset, 0, 2, res, 0)
+                enc.copy_buffer_to_buffer(res, 0, rb, 0, 16)
+            t0 = time.perf_counter()
+            dev.queue.submit([enc.finish()])
+            if use_ts:
+                rb.map_sync(wgpu.MapMode.READ)
+                a, b = np.frombuffer(rb.read_mapped(), dtype=np.uint64).astype(np.int64)
+                rb.unmap()
+                dt = (b - a) * ctx.ns_per_tick * 1e-9
+            else:
+                wait_idle(dev, wait_buf)
+                dt = time.perf_counter() - t0
+            if i:  # the first run warms up
+                times.append(dt)
+    finally:
+        _destroy(bufs)
+    return float(np.median(times)), "timestamp-query" if use_ts else "wall"
+
+
+def _destroy(bufs: list) -> None:
+    for b in bufs:
+        try:
+            b.destroy()
+        except Exception:
+            pass
+
+
+def copy_bandwidth(ctx: Any, nbytes: int, repeat: int = 10) -> dict:
+    """Bytes/s (read plus written) of ``copy_buffer_to_buffer`` between two buffers of ``nbytes``.
+
+    Timestamps are written by empty compute passes around the copy. Returns
+    ``dict(bytes_per_s, copy_s, copy_bytes, timer)``.
+    """
+    import wgpu
+
+    dev = ctx.device
+    n = max(256, min(int(nbytes), ctx.buffer_size))
+    n -= n % 256
+    U = wgpu.BufferUsage
+    bufs = []
+    try:
+        with device_errors("copy_bandwidth", bytes=n):
+            src = dev.create_buffer(size=n, usage=U.COPY_SRC | U.COPY_DST)
+            bufs.append(src)
+            dst = dev.create_buffer(size=n, usage=U.COPY_SRC | U.COPY_DST)
+            bufs.append(dst)
+
+            def encode(enc, qset):
+                if qset is not None:
+                    enc.begin_compute_pass(timestamp_writes={"query_set": qset, "end_of_pass_write_index": 0}).end()
+                enc.copy_buffer_to_buffer(src, 0, dst, 0, n)
+                if qset is not None:
+                    enc.begin_compute_pass(
+                        timestamp_writes={"query_set": qset, "beginning_of_pass_write_index": 1}).end()
+
+            t, timer = median_time(ctx, encode, dst, repeat)
+    finally:
+        _destroy(bufs)
+    return dict(bytes_per_s=2.0 * n / t if t > 0 else float("nan"), copy_s=t, copy_bytes=n, timer=timer)
+
+
 def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 4096, warmup_s: float = 0.0) -> dict:
     """Bytes/s of ``psa_read_bandwidth.wgsl`` reading ``nbytes`` (capped by the binding size).
 
     Returns ``dict(bytes_per_s, read_s, read_bytes, timer)``: the median of ``repeat`` timed
-    runs after one warm-up run, or after ``warmup_s`` seconds of untimed runs (a GPU that has
-    been idle runs at its idle clock at first); GPU timestamps when the device has them, else
-    host time around submit and wait.
+    runs after ``warmup_s`` seconds of untimed runs and one warm-up run (:func:`median_time`).
     """
     import wgpu
 
@@ -44,7 +141,6 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
     n = max(4096, min(int(nbytes), ctx.binding_size, ctx.buffer_size))
     n -= n % 4096
     U = wgpu.BufferUsage
-    use_ts = "timestamp-query" in ctx.features
     groups = max(1, min(int(workgroups), ctx.workgroups_per_dim))
     bufs = []
     try:
@@ -61,53 +157,17 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
                 {"binding": 0, "resource": {"buffer": params}},
                 {"binding": 1, "resource": {"buffer": src}},
                 {"binding": 2, "resource": {"buffer": sink}}])
-            if use_ts:
-                qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2)
-                res = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
-                rb = dev.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
-                bufs += [res, rb]
-            times = []
-            t_warm = time.perf_counter()
-            while time.perf_counter() - t_warm < float(warmup_s):
-                enc = dev.create_command_encoder()
-                cp = enc.begin_compute_pass()
-                cp.set_pipeline(pipe)
-                cp.set_bind_group(0, bg)
-                for _ in range(8):
-                    cp.dispatch_workgroups(groups)
-                cp.end()
-                dev.queue.submit([enc.finish()])
-                wait_idle(dev, sink)
-            for i in range(int(repeat) + 1):
-                enc = dev.create_command_encoder()
-                tw = {"query_set": qset, "beginning_of_pass_write_index": 0,
-                      "end_of_pass_write_index": 1} if use_ts else None
-                cp = enc.begin_compute_pass(timestamp_writes=tw) if use_ts else enc.begin_compute_pass()
+
+            def encode(enc, qset):
+                tw = None if qset is None else {"query_set": qset, "beginning_of_pass_write_index": 0,
+                                                "end_of_pass_write_index": 1}
+                cp = enc.begin_compute_pass(timestamp_writes=tw)
                 cp.set_pipeline(pipe)
                 cp.set_bind_group(0, bg)
                 cp.dispatch_workgroups(groups)
                 cp.end()
-                if use_ts:
-                    enc.resolve_query_set(qset, 0, 2, res, 0)
-                    enc.copy_buffer_to_buffer(res, 0, rb, 0, 16)
-                t0 = time.perf_counter()
-                dev.queue.submit([enc.finish()])
-                if use_ts:
-                    rb.map_sync(wgpu.MapMode.READ)
-                    a, b = np.frombuffer(rb.read_mapped(), dtype=np.uint64).astype(np.int64)
-                    rb.unmap()
-                    dt = (b - a) * ctx.ns_per_tick * 1e-9
-                else:
-                    wait_idle(dev, sink)
-                    dt = time.perf_counter() - t0
-                if i:  # the first run warms up
-                    times.append(dt)
+
+            t, timer = median_time(ctx, encode, sink, repeat, warmup_s)
     finally:
-        for b in bufs:
-            try:
-                b.destroy()
-            except Exception:
-                pass
-    t = float(np.median(times))
-    return dict(bytes_per_s=n / t if t > 0 else float("nan"), read_s=t, read_bytes=n,
-                timer="timestamp-query" if use_ts else "wall")
+        _destroy(bufs)
+    return dict(bytes_per_s=n / t if t > 0 else float("nan"), read_s=t, read_bytes=n, timer=timer)

@@ -26,7 +26,7 @@ from ..._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Par
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
-from ._ceilings import read_bandwidth, wait_idle
+from ._ceilings import copy_bandwidth, read_bandwidth
 from ._decode import DECODE, KERNELS, choose_decode_geometry, decode_ineligible
 from ._device import DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, device_errors, open_device
 from ._index_branch import IndexBranchMixin
@@ -168,7 +168,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
         self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
         self._profiling = False  # profile_forward: timestamps on every pass
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call
-        self._shader_checks = bool(runtime_checks)  # False: TRUSTED_KERNELS compiled without them
+        self._runtime_checks = bool(runtime_checks)  # False: TRUSTED_KERNELS compiled without them
 
     # --- availability and device ---------------------------------------------------------------
 
@@ -272,7 +272,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
 
     def _pipeline(self, kernel: str, f16: bool, constants: dict[str, int]):
         ctx = self._device()
-        checks = self._shader_checks or kernel not in TRUSTED_KERNELS
+        checks = self._runtime_checks or kernel not in TRUSTED_KERNELS
         key = (kernel, f16, checks, tuple(sorted(constants.items())))
         hit = ctx.pipelines.get(key)
         if hit is None:
@@ -609,60 +609,10 @@ class WgpuBackend(IndexBranchMixin, Backend):
         instead (which includes the submission latency); :attr:`last_timings` says which
         (``timer``).
         """
-        import wgpu
-
         with self._lock:
-            ctx = self._device()
-            dev = ctx.device
-            n = max(256, min(int(nbytes), ctx.buffer_size))
-            n -= n % 256
-            use_ts = "timestamp-query" in ctx.features
-            U = wgpu.BufferUsage
-            bufs = []
-            try:
-                with device_errors("copy_bandwidth", bytes=n):
-                    src = dev.create_buffer(size=n, usage=U.COPY_SRC | U.COPY_DST)
-                    bufs.append(src)
-                    dst = dev.create_buffer(size=n, usage=U.COPY_SRC | U.COPY_DST)
-                    bufs.append(dst)
-                    if use_ts:
-                        qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2)
-                        res = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
-                        rb = dev.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
-                        bufs += [res, rb]
-                    times = []
-                    for i in range(int(repeat) + 1):
-                        enc = dev.create_command_encoder()
-                        if use_ts:
-                            enc.begin_compute_pass(timestamp_writes={"query_set": qset,
-                                                                     "end_of_pass_write_index": 0}).end()
-                        enc.copy_buffer_to_buffer(src, 0, dst, 0, n)
-                        if use_ts:
-                            enc.begin_compute_pass(timestamp_writes={"query_set": qset,
-                                                                     "beginning_of_pass_write_index": 1}).end()
-                            enc.resolve_query_set(qset, 0, 2, res, 0)
-                            enc.copy_buffer_to_buffer(res, 0, rb, 0, 16)
-                        t0 = time.perf_counter()
-                        dev.queue.submit([enc.finish()])
-                        if use_ts:
-                            rb.map_sync(wgpu.MapMode.READ)
-                            a, b = np.frombuffer(rb.read_mapped(), dtype=np.uint64).astype(np.int64)
-                            rb.unmap()
-                            dt = (b - a) * ctx.ns_per_tick * 1e-9
-                        else:
-                            wait_idle(dev, dst)
-                            dt = time.perf_counter() - t0
-                        if i:  # the first run warms up
-                            times.append(dt)
-            finally:
-                for b in bufs:
-                    try:
-                        b.destroy()
-                    except Exception:
-                        pass
-            t = float(np.median(times))
-            self.last_timings = dict(copy_s=t, copy_bytes=n, timer="timestamp-query" if use_ts else "wall")
-            return 2.0 * n / t if t > 0 else float("nan")
+            r = copy_bandwidth(self._device(), nbytes, repeat)
+        self.last_timings = {k: v for k, v in r.items() if k != "bytes_per_s"}
+        return r["bytes_per_s"]
 
     def read_bandwidth(self, nbytes: int = 1 << 30, repeat: int = 10, warmup_s: float = 0.0) -> float:
         """Streaming read bandwidth in bytes/s (bytes read), median of ``repeat``.
@@ -825,8 +775,9 @@ class WgpuBackend(IndexBranchMixin, Backend):
             return
         # profile_forward(replay=R): the call's passes are encoded R times back to back (same
         # inputs, same outputs), so the GPU is timed busy instead of between host pauses
+        n_pass = sum(1 + (bp.merge_words is not None) for bp in plans)  # with timestamps: passes per replay
         replay = max(1, int(self._replay)) if self._profiling else 1
-        replay = min(replay, max(1, MAX_QUERIES // (2 * sum(1 + (bp.merge_words is not None) for bp in plans))))
+        replay = min(replay, max(1, MAX_QUERIES // (2 * n_pass)))
         if replay > 1:
             timings["replay"] = replay
         D = geom.D
@@ -854,7 +805,6 @@ class WgpuBackend(IndexBranchMixin, Backend):
                     scratch_o, scratch_ml = self._scratch(ctx, scratch_rows * D * 4, scratch_rows * 8)
                 qset = None
                 if (self._opts["timestamps"] or self._profiling) and "timestamp-query" in ctx.features:
-                    n_pass = sum(1 + (bp.merge_words is not None) for bp in plans)
                     qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2 * n_pass * replay)
                 maxdim = ctx.workgroups_per_dim
                 align = ctx.uniform_align
