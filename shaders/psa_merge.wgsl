@@ -11,7 +11,7 @@
 // lse = M + ln l, or -inf where l == 0.
 //
 // One invocation per (destination row, d); the order of the sum is fixed, so results are
-// bit-for-bit reproducible (R19).
+// bit-for-bit reproducible (R19). Elements are read eight at a time, their loads issued together.
 //
 // Bindings (group 0)
 //   0 params  uniform              Params (below)
@@ -49,6 +49,39 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> dst_o: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dst_ml: array<vec2<f32>>;
 
+// an element with l == 0 is empty and skipped; not `ml.y != 0.0`: that compiles to an ordered
+// compare, false for NaN, and a NaN element must not be dropped
+fn take_max(ml: vec2<f32>, m_max: ptr<function, f32>, seen: ptr<function, bool>) {
+    if (!(ml.y == 0.0)) {
+        *m_max = select(ml.x, max(*m_max, ml.x), *seen);
+        *seen = true;
+    }
+}
+
+// l += w l_e, o += w o_e with w = exp(m_e - M), for a non-empty element; o_e is loaded either way
+// (it is the element's own, finite or not, and discarded when the element is empty)
+fn add_term(ml: vec2<f32>, oe: f32, m_max: f32, l: ptr<function, f32>, o: ptr<function, f32>) {
+    if (!(ml.y == 0.0)) {
+        let w = exp(ml.x - m_max);
+        *l += w * ml.y;
+        *o += w * oe;
+    }
+}
+
+struct Elem {
+    ml: vec2<f32>,
+    o: f32,
+}
+
+// element i of a segment (i < end), or an empty one
+fn elem(eo: u32, i: u32, end: u32, gs: u32, sub: u32, d: u32) -> Elem {
+    if (i < end) {
+        let e = plan[eo + i] * gs + sub;
+        return Elem(src_ml[e], src_o[e * D + d]);
+    }
+    return Elem(vec2<f32>(0.0), 0.0);
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let x = (wid.y * params.grid_x + wid.x) * WG + lid;
@@ -63,30 +96,59 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let start = plan[seg];
     let end = plan[seg + 1u];
 
-    var m_max = 0.0;
+    // Elements are merged in chunks of 8 whose loads are all issued first: a row has few
+    // elements (top-k of them in decode) and each load is a round trip to memory, so overlapping
+    // them, not arithmetic, sets the speed. Per chunk: its max M_c; the running (M, l, o) is
+    // rescaled by exp(M - max(M, M_c)) and the chunk's terms added in element order. A row of at
+    // most 8 elements is the plain two-pass formula above.
+    let eo = params.elem_off;
+    let gs = params.group_size;
+    var m_run = 0.0;
     var seen = false;
-    for (var i = start; i < end; i++) {
-        let ml = src_ml[plan[params.elem_off + i] * params.group_size + sub];
-        if (!(ml.y == 0.0)) {  // not `ml.y != 0.0`: that compiles to an ordered compare, false for NaN
-            m_max = select(ml.x, max(m_max, ml.x), seen);
+    var l = 0.0;
+    var o = 0.0;
+    for (var c = start; c < end; c += 8u) {
+        let e0 = elem(eo, c, end, gs, sub, d);
+        let e1 = elem(eo, c + 1u, end, gs, sub, d);
+        let e2 = elem(eo, c + 2u, end, gs, sub, d);
+        let e3 = elem(eo, c + 3u, end, gs, sub, d);
+        let e4 = elem(eo, c + 4u, end, gs, sub, d);
+        let e5 = elem(eo, c + 5u, end, gs, sub, d);
+        let e6 = elem(eo, c + 6u, end, gs, sub, d);
+        let e7 = elem(eo, c + 7u, end, gs, sub, d);
+        var cm = 0.0;
+        var cs = false;
+        take_max(e0.ml, &cm, &cs);
+        take_max(e1.ml, &cm, &cs);
+        take_max(e2.ml, &cm, &cs);
+        take_max(e3.ml, &cm, &cs);
+        take_max(e4.ml, &cm, &cs);
+        take_max(e5.ml, &cm, &cs);
+        take_max(e6.ml, &cm, &cs);
+        take_max(e7.ml, &cm, &cs);
+        if (cs) {
+            var m_new = cm;
+            if (seen) {
+                m_new = max(m_run, cm);
+                let a = exp(m_run - m_new);
+                l *= a;
+                o *= a;
+            }
+            add_term(e0.ml, e0.o, m_new, &l, &o);
+            add_term(e1.ml, e1.o, m_new, &l, &o);
+            add_term(e2.ml, e2.o, m_new, &l, &o);
+            add_term(e3.ml, e3.o, m_new, &l, &o);
+            add_term(e4.ml, e4.o, m_new, &l, &o);
+            add_term(e5.ml, e5.o, m_new, &l, &o);
+            add_term(e6.ml, e6.o, m_new, &l, &o);
+            add_term(e7.ml, e7.o, m_new, &l, &o);
+            m_run = m_new;
             seen = true;
         }
     }
-    var l = 0.0;
-    var o = 0.0;
-    if (seen) {
-        for (var i = start; i < end; i++) {
-            let e = plan[params.elem_off + i] * params.group_size + sub;
-            let ml = src_ml[e];
-            if (!(ml.y == 0.0)) {  // not `ml.y != 0.0`: that compiles to an ordered compare, false for NaN
-                let w = exp(ml.x - m_max);
-                l += w * ml.y;
-                o += w * src_o[e * D + d];
-            }
-        }
-        if (params.normalize != 0u) {
-            o = o / l;
-        }
+    let m_max = m_run;
+    if (seen && params.normalize != 0u) {
+        o = o / l;
     }
     dst_o[dest * D + d] = o;
     if (d == 0u) {

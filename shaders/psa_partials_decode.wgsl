@@ -1,59 +1,66 @@
 // psa_partials_decode.wgsl — KV-outer partials (R14) specialised for decode: one workgroup per
 // work item, the item's edges processed one after another (a decode item has one edge and up to
 // 8 query heads of its slot group: GQA packing, every K/V element is read once for all of them).
+// Needs the `subgroup` feature (shuffles); the host runs it only on devices where it measured a
+// subgroup size of at least R.
 //
-// Same bindings, Params record, plan layout and output format as psa_partials.wgsl (read its
-// header): work items of 8 u32 (max_len, n_e, g0, ng, erec, pages, prow0, -), edge records
-// (q row, edge_len), page lists with INVALID entries (unmapped page, or a page of another cache
-// chunk), slabs of S rows of TD vec4, unnormalised o [n_prows, D] and (m, l) [n_prows]; l == 0
-// means the row attended nothing (no infinity or sentinel is written).
+// Same Params record, plan layout and output format as psa_partials.wgsl (read its header):
+// work items of 8 u32 (max_len, n_e, g0, ng, erec, pages, prow0, -), edge records (q row,
+// edge_len), page lists with INVALID entries (unmapped page, or a page of another cache chunk),
+// unnormalised o [n_prows, D] and (m, l) [n_prows]; l == 0 means the row attended nothing (no
+// infinity or sentinel is written). The caches are bound as 16-byte units (vec4<u32>), whatever
+// their dtype: a unit holds EU = 4 float32 or EU = 8 float16 elements (bitcast, or
+// unpack2x16float: float16 caches need no shader-f16 feature). A cache row is TE = D4 / EU units
+// (D4 = 4 ceil(D / 4)); the host uses this kernel only when a row is whole units and TE <= R.
 //
-// Workgroup memory is kept small on purpose: drivers give a compute workgroup's shared memory
-// from a per-SM budget that can be far below the hardware's (measured: 64 KiB per SM on one
-// Vulkan driver), and every KiB a workgroup holds costs resident workgroups, hence loads in
-// flight. Neither K nor V is staged: both are read from the cache straight into registers.
+// Bindings (group 0)
+//   0 params  uniform              Params (psa_partials.wgsl)
+//   1 q       storage, read        f32 [n_qrows, G, D]
+//   2 k_cache storage, read        vec4<u32> [n_slabs_in_chunk, S, TE]  K slabs of one chunk
+//   3 v_cache storage, read        vec4<u32>, same layout as k_cache
+//   4 plan    storage, read        u32 (psa_partials.wgsl)
+//   5 o_out   storage, read_write  f32 [n_prows, D]
+//   6 ml_out  storage, read_write  vec2<f32> [n_prows]
 //
-// Per edge, the block is walked in tiles of TK keys (one tile when the block fits); per tile:
-//   A. scores: invocation (key k = tid / DS, slice s = tid % DS) reads vec4s s, s + DS, ... of
-//      its K row (four loads issued before the math; the DS invocations of a key are
-//      neighbours, so one load instruction of a warp touches 32 / DS rows, not 32) and forms
-//      partial dot products with all (up to 8) heads, held in two vec4 registers; the query
-//      tile is read from workgroup memory at DS consecutive addresses per warp (no bank
-//      conflicts); partials go to `sbuf` [slice][key][head];
-//   B. softmax: SL = WG / 8 invocations per head slot take a strided share of the tile's keys,
-//      sum the DS slices of each score in a fixed order, and exchange partial maxima, then
-//      partial sums, once each through workgroup memory; every invocation of a head reduces
-//      the same values in the same order, so the running (m, l) is kept, identical, in the
-//      registers of all of them; p = exp(s - m) overwrites slice 0 of `sbuf`;
-//   C. o += P V: invocation (kg, td) owns vec4 lane td of the head dim for all 8 head slots
-//      (eight vec4 registers) and keys kg, kg + KG, ... (KG = WG / TD); V rows are read from
-//      the cache, a warp reading whole rows, four keys per step with the loads issued first.
-// A masked key (past the edge's edge_len, or on an INVALID page) is never read (R10): its
-// scores are not formed, its p is 0 and its V load is skipped, so memory that may hold NaN is
-// never multiplied by a zero weight. At the end of an edge the KG key groups' accumulators are
-// summed into group 0 through `sbuf`, (group, head) pairs in a fixed order, so results are
-// bitwise deterministic (R19).
+// Layout. A key group is R consecutive lanes of one subgroup; lane r owns unit r of every K and
+// V row it reads (a group reads whole rows, coalesced) and holds the query's dims of that unit
+// for all 8 head slots in registers (loaded once per edge). The workgroup's NGRP = WG / R groups
+// take the block's keys in chunks of 4: chunk c of group g is keys (c NGRP + g) 4 .. + 3. A lane
+// issues the next chunk's 4 K and 4 V loads before the current chunk's math (two chunks in
+// flight; rows are found from the block's page list, held one entry per lane and read with a
+// shuffle when it fits in R entries). For each key of a chunk the lane forms 8 partial dot
+// products (one per head slot) and reduce-scatters them across the group with shuffles (4, 2,
+// 1, then 1 value per step: 8 shuffles leave lane r with the full score of head slot
+// hs(r) = 4 [r & R/2] + 2 [r & R/4] + [r & R/8]); the lane updates that head's running (m, l)
+// over the chunk, and the rescale factor and the 4 weights p of every head are shuffled to all
+// lanes, which update their accumulators o_h = o_h alpha_h + sum_i p_hi v_i (8 head slots x EU
+// dims). No workgroup memory and no barrier is used until the end of an edge, where the groups'
+// (m, l, o) are merged in group order through workgroup memory (log-sum-exp weights).
+//
+// A masked key (past the edge's edge_len, or on an INVALID page) is never read (R10): its K and V
+// units stay zero, it is left out of the maximum and its p is 0, so memory that may hold NaN is
+// never multiplied by a zero weight. Every sum is in a fixed order (shuffle steps, chunk order,
+// group order), so results are bitwise deterministic (R19). Loops run the same trip counts on
+// every lane of the workgroup (masked keys instead of shorter loops), so shuffles never execute
+// in divergent control flow.
 //
 // Override constants
-//   D, S   head dim, page size          TD  = ceil(D / 4): vec4s per cache row
+//   D, S   head dim, page size          TD  = ceil(D / 4): vec4s of a q / o row
+//   EU     cache elements per unit (4: float32, 8: float16); TE = 4 TD / EU units per row
 //   NG     heads per work item (the host's RMAX; ng <= NG <= 8)
-//   WG     workgroup size: a multiple of 8 and of TK, >= TD
-//   TK     keys per tile; DS = WG / TK slices of the head dim in the score phase
-// The loader rewrites the `alias kv_t` line to f16 (and prepends `enable f16;`) for float16
-// caches; accumulation is f32 in both cases.
-
-alias kv_t = f32;
+//   R      lanes per key group: a power of two, 8 <= R <= subgroup size, TE <= R
+//   WG     workgroup size: a multiple of R and of the subgroup size
 
 override D: u32;
 override S: u32;
-override TK: u32;
 override NG: u32;
-override WG: u32 = 256u;
+override WG: u32 = 32u;
 override TD: u32;
-override DS: u32 = WG / TK;                        // head-dim slices of the score phase
-override QH: u32 = 4u * ((NG + 3u) / 4u);          // head slots in use: NG rounded up to 4
-override KG: u32 = WG / TD;                        // key groups of the P·V phase
-override SL: u32 = WG / 8u;                        // softmax invocations per head slot
+override EU: u32 = 4u;
+override R: u32 = 16u;
+override TE: u32 = TD * 4u / EU;                   // 16-byte units per cache row
+override NGRP: u32 = WG / R;                       // key groups per workgroup
+override OB: u32 = max(1u, (NGRP - 1u) * 8u * TD); // vec4s of the group merge buffer
 const INVALID: u32 = 0xffffffffu;
 
 struct Params {
@@ -61,7 +68,7 @@ struct Params {
     n_items: u32,
     grid_x: u32,
     group: u32,
-    slab_stride: u32,
+    slab_stride: u32,   // vec4s of 4 elements per slab (the layout's slab_stride / 4)
     scale: f32,
     _pad0: u32,
     _pad1: u32,
@@ -69,22 +76,17 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> q: array<f32>;
-@group(0) @binding(2) var<storage, read> k_cache: array<vec4<kv_t>>;
-@group(0) @binding(3) var<storage, read> v_cache: array<vec4<kv_t>>;
+@group(0) @binding(2) var<storage, read> k_cache: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> v_cache: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> plan: array<u32>;
 @group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
-var<workgroup> q_s: array<vec4<f32>, QH * TD>;      // [head][td], zero past ng and past D
-var<workgroup> sbuf: array<vec4<f32>, 2u * WG>;     // score partials [slice][key][head quad];
-                                                    // then p (slice 0); then accumulators
-var<workgroup> key_row: array<u32, 2u * TK>;        // cache row (vec4 index) or INVALID; two tiles
-var<workgroup> red_m: array<f32, WG>;               // partial max per invocation
-var<workgroup> red_f: array<u32, WG>;               // 1: the invocation saw a valid key
-var<workgroup> red_l: array<f32, WG>;               // partial sum per invocation
-var<workgroup> row_a: array<f32, 8>;                // rescale factor of the tile, per head slot
+var<workgroup> gm: array<f32, 8u * NGRP>;           // group merge: running max [group][head slot]
+var<workgroup> gl: array<f32, 8u * NGRP>;           // running sum [group][head slot]
+var<workgroup> obuf: array<vec4<f32>, OB>;          // accumulators of groups 1.. [group-1][head][td]
 
-// vec4 index of the cache row of block position `pos`, or INVALID (past len, or not readable).
+// unit index of the cache row of block position `pos`, or INVALID (past len, or not readable)
 fn locate(pages: u32, pos: u32, len: u32) -> u32 {
     if (pos >= len) {
         return INVALID;
@@ -93,22 +95,92 @@ fn locate(pages: u32, pos: u32, len: u32) -> u32 {
     if (slab == INVALID) {
         return INVALID;
     }
-    return slab * params.slab_stride + (pos % S) * TD;
+    return slab * (params.slab_stride * 4u / EU) + (pos % S) * TE;
 }
 
-// K vec4 j of a row, or zeros past the row's TD vec4s
-fn kload(row: u32, j: u32) -> vec4<f32> {
-    if (j < TD) {
-        return vec4<f32>(k_cache[row + j]);
+// rows of block positions k0 .. k0 + 3 (INVALID past len or on an unreadable page). With the page
+// list in the lanes (pg: entry r on lane r of the group, base: the group's first subgroup lane),
+// a page's slab comes from a shuffle; the shuffle runs on every lane (uniform control flow)
+fn locate4(pages: u32, k0: u32, len: u32, pg: u32, base: u32, pages_in_lanes: bool) -> vec4<u32> {
+    var rows = vec4<u32>(INVALID);
+    if (pages_in_lanes) {
+        for (var i = 0u; i < 4u; i++) {
+            let pos = k0 + i;
+            let slab = subgroupShuffle(pg, base + min(pos / S, R - 1u));
+            if (pos < len && slab != INVALID) {
+                rows[i] = slab * (params.slab_stride * 4u / EU) + (pos % S) * TE;
+            }
+        }
+    } else {
+        for (var i = 0u; i < 4u; i++) {
+            rows[i] = locate(pages, k0 + i, len);
+        }
+    }
+    return rows;
+}
+
+// unit r of a row (zeros for a masked row or past the row's TE units)
+fn kunit(row: u32, r: u32) -> vec4<u32> {
+    if (row != INVALID && r < TE) {
+        return k_cache[row + r];
+    }
+    return vec4<u32>(0u);
+}
+
+fn vunit(row: u32, r: u32) -> vec4<u32> {
+    if (row != INVALID && r < TE) {
+        return v_cache[row + r];
+    }
+    return vec4<u32>(0u);
+}
+
+// elements 0..3 of a unit, and 4..7 when EU = 8
+fn lo4(u: vec4<u32>) -> vec4<f32> {
+    if (EU == 8u) {
+        return vec4<f32>(unpack2x16float(u.x), unpack2x16float(u.y));
+    }
+    return bitcast<vec4<f32>>(u);
+}
+
+fn hi4(u: vec4<u32>) -> vec4<f32> {
+    if (EU == 8u) {
+        return vec4<f32>(unpack2x16float(u.z), unpack2x16float(u.w));
     }
     return vec4<f32>(0.0);
 }
 
-fn vload(row: u32, td: u32) -> vec4<f32> {
-    if (row != INVALID) {
-        return vec4<f32>(v_cache[row + td]);
+// q vec4 j of head slot h of q row qrow (zeros past ng and past D)
+fn qload(qrow: u32, g0: u32, ng: u32, h: u32, j: u32) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    if (h < ng && 4u * j < D) {
+        let base = (qrow * params.group + g0 + h) * D + 4u * j;
+        v.x = q[base];
+        if (4u * j + 1u < D) { v.y = q[base + 1u]; }
+        if (4u * j + 2u < D) { v.z = q[base + 2u]; }
+        if (4u * j + 3u < D) { v.w = q[base + 3u]; }
     }
-    return vec4<f32>(0.0);
+    return v;
+}
+
+// reduce-scatter of 8 per-head partial scores (lo: slots 0..3, hi: 4..7) over the R lanes of a
+// group: returns the full score of head slot hs(r) on lane r
+fn reduce8(lo: vec4<f32>, hi: vec4<f32>, r: u32) -> f32 {
+    let ba = (r & (R / 2u)) != 0u;
+    let w4 = select(lo, hi, ba) + subgroupShuffleXor(select(hi, lo, ba), R / 2u);
+    let bb = (r & (R / 4u)) != 0u;
+    let w2 = select(w4.xy, w4.zw, bb) + subgroupShuffleXor(select(w4.zw, w4.xy, bb), R / 4u);
+    let bc = (r & (R / 8u)) != 0u;
+    var w = select(w2.x, w2.y, bc) + subgroupShuffleXor(select(w2.y, w2.x, bc), R / 8u);
+    for (var msk = R / 16u; msk > 0u; msk >>= 1u) {
+        w += subgroupShuffleXor(w, msk);
+    }
+    return w;
+}
+
+// the lane of a group that holds head slot h after reduce8
+fn slot_lane(h: u32) -> u32 {
+    return select(0u, R / 2u, (h & 4u) != 0u) + select(0u, R / 4u, (h & 2u) != 0u)
+         + select(0u, R / 8u, (h & 1u) != 0u);
 }
 
 fn pick(h: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>, a4: vec4<f32>, a5: vec4<f32>,
@@ -125,8 +197,21 @@ fn pick(h: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>, a4: 
     }
 }
 
+// o row `prow`, vec4 `j` (dims 4 j .. 4 j + 3, those < D)
+fn store4(prow: u32, j: u32, a: vec4<f32>) {
+    if (4u * j >= D) {
+        return;
+    }
+    let ob = prow * D + 4u * j;
+    o_out[ob] = a.x;
+    if (4u * j + 1u < D) { o_out[ob + 1u] = a.y; }
+    if (4u * j + 2u < D) { o_out[ob + 2u] = a.z; }
+    if (4u * j + 3u < D) { o_out[ob + 3u] = a.w; }
+}
+
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32,
+        @builtin(subgroup_invocation_id) sl: u32, @builtin(subgroup_size) sgs: u32) {
     let item = wid.y * params.grid_x + wid.x;
     if (item >= params.n_items) {
         return;
@@ -139,36 +224,50 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let pages = plan[ib + 5u];
     let prow0 = plan[ib + 6u];
 
-    let ss = tid % DS;           // scores: head-dim slice and key of this invocation; the DS
-    let sk = tid / DS;           // invocations of a key are neighbours and read interleaved vec4s
-    let sh = tid / SL;           // softmax: head slot of this invocation (0..7)
-    let lane = tid - sh * SL;
-    let hq = sh / 4u;            // its vec4 of sbuf and component
-    let hc = sh - 4u * hq;
-    let kg = tid / TD;           // P·V: key group and vec4 lane (valid when kg < KG)
-    let td = tid - kg * TD;
+    let r = tid % R;             // lane in the key group: owns unit r of every row
+    let grp = tid / R;           // key group
+    let hs = 4u * select(0u, 1u, (r & (R / 2u)) != 0u) + 2u * select(0u, 1u, (r & (R / 4u)) != 0u)
+           + select(0u, 1u, (r & (R / 8u)) != 0u);  // head slot whose score lane r holds
+    let base = sl - r;           // subgroup lane of the group's lane 0
+    // the layout assumes groups of R consecutive lanes of one subgroup; a device that breaks it
+    // gets NaN rows (loud), never plausible numbers
+    let broken = sgs < R || (sl % R) != r;
+    let jo = r * (EU / 4u);      // q / o vec4 of the unit's first 4 dims
+    let nan = bitcast<f32>(0x7fc00000u);
 
     for (var e = 0u; e < n_e; e++) {
         let qrow = plan[erec + 2u * e];
         let len = plan[erec + 2u * e + 1u];
-        for (var x = tid; x < QH * TD; x += WG) {
-            let h = x / TD;
-            let j = x - h * TD;
-            var qv = vec4<f32>(0.0);
-            if (h < ng) {
-                let base = (qrow * params.group + g0 + h) * D + 4u * j;
-                qv.x = q[base];
-                if (4u * j + 1u < D) { qv.y = q[base + 1u]; }
-                if (4u * j + 2u < D) { qv.z = q[base + 2u]; }
-                if (4u * j + 3u < D) { qv.w = q[base + 3u]; }
-            }
-            q_s[x] = qv;
+        // this lane's dims of the query, every head slot (hi: dims 4..7 of the unit, EU = 8)
+        let q0 = qload(qrow, g0, ng, 0u, jo);
+        let q1 = qload(qrow, g0, ng, 1u, jo);
+        let q2 = qload(qrow, g0, ng, 2u, jo);
+        let q3 = qload(qrow, g0, ng, 3u, jo);
+        let q4 = qload(qrow, g0, ng, 4u, jo);
+        let q5 = qload(qrow, g0, ng, 5u, jo);
+        let q6 = qload(qrow, g0, ng, 6u, jo);
+        let q7 = qload(qrow, g0, ng, 7u, jo);
+        var u0 = vec4<f32>(0.0);
+        var u1 = vec4<f32>(0.0);
+        var u2 = vec4<f32>(0.0);
+        var u3 = vec4<f32>(0.0);
+        var u4 = vec4<f32>(0.0);
+        var u5 = vec4<f32>(0.0);
+        var u6 = vec4<f32>(0.0);
+        var u7 = vec4<f32>(0.0);
+        if (EU == 8u) {
+            u0 = qload(qrow, g0, ng, 0u, jo + 1u);
+            u1 = qload(qrow, g0, ng, 1u, jo + 1u);
+            u2 = qload(qrow, g0, ng, 2u, jo + 1u);
+            u3 = qload(qrow, g0, ng, 3u, jo + 1u);
+            u4 = qload(qrow, g0, ng, 4u, jo + 1u);
+            u5 = qload(qrow, g0, ng, 5u, jo + 1u);
+            u6 = qload(qrow, g0, ng, 6u, jo + 1u);
+            u7 = qload(qrow, g0, ng, 7u, jo + 1u);
         }
-        for (var k = tid; k < TK; k += WG) {
-            key_row[k] = locate(pages, k, len);
-        }
-        var m = 0.0;   // running max of head slot sh (meaningful when l > 0)
-        var l = 0.0;   // running sum of head slot sh; 0 = nothing attended yet
+        var m = 0.0;   // running max of head slot hs over this group's keys (meaningful when l > 0)
+        var l = 0.0;   // running sum; 0 = nothing attended yet
+        // accumulators of head slots 0..7: dims of vec4 jo (a) and jo + 1 (b, when EU = 8)
         var a0 = vec4<f32>(0.0);
         var a1 = vec4<f32>(0.0);
         var a2 = vec4<f32>(0.0);
@@ -177,215 +276,235 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         var a5 = vec4<f32>(0.0);
         var a6 = vec4<f32>(0.0);
         var a7 = vec4<f32>(0.0);
-        workgroupBarrier();
+        var b0 = vec4<f32>(0.0);
+        var b1 = vec4<f32>(0.0);
+        var b2 = vec4<f32>(0.0);
+        var b3 = vec4<f32>(0.0);
+        var b4 = vec4<f32>(0.0);
+        var b5 = vec4<f32>(0.0);
+        var b6 = vec4<f32>(0.0);
+        var b7 = vec4<f32>(0.0);
 
-        for (var k0 = 0u; k0 < len; k0 += TK) {
-            let nk = min(TK, len - k0);
-            let cur = ((k0 / TK) & 1u) * TK;
+        // the block's page list, one entry per lane (when it fits: a row is then found with a
+        // shuffle instead of a memory round trip); read from the plan otherwise
+        let npages = (len + S - 1u) / S;
+        let pages_in_lanes = npages <= R;
+        var pg = INVALID;
+        if (r < npages && pages_in_lanes) {
+            pg = plan[pages + r];
+        }
+        let step = NGRP * 4u;
+        // chunk 0's rows and loads; in the loop the next chunk's loads are issued before the
+        // current chunk's math (two chunks in flight per lane)
+        var nrow = locate4(pages, grp * 4u, len, pg, base, pages_in_lanes);
+        var nk0 = kunit(nrow.x, r);
+        var nk1 = kunit(nrow.y, r);
+        var nk2 = kunit(nrow.z, r);
+        var nk3 = kunit(nrow.w, r);
+        var nv0 = vunit(nrow.x, r);
+        var nv1 = vunit(nrow.y, r);
+        var nv2 = vunit(nrow.z, r);
+        var nv3 = vunit(nrow.w, r);
+        for (var kb = 0u; kb < len; kb += step) {
+            let row0 = nrow.x;
+            let row1 = nrow.y;
+            let row2 = nrow.z;
+            let row3 = nrow.w;
+            let kv0 = nk0;
+            let kv1 = nk1;
+            let kv2 = nk2;
+            let kv3 = nk3;
+            let vv0 = nv0;
+            let vv1 = nv1;
+            let vv2 = nv2;
+            let vv3 = nv3;
+            nrow = locate4(pages, kb + step + grp * 4u, len, pg, base, pages_in_lanes);
+            nk0 = kunit(nrow.x, r);
+            nk1 = kunit(nrow.y, r);
+            nk2 = kunit(nrow.z, r);
+            nk3 = kunit(nrow.w, r);
+            nv0 = vunit(nrow.x, r);
+            nv1 = vunit(nrow.y, r);
+            nv2 = vunit(nrow.z, r);
+            nv3 = vunit(nrow.w, r);
 
-            // A. partial scores of key sk over slice ss, all heads; locate the next tile's rows
-            var slo = vec4<f32>(0.0);
-            var shi = vec4<f32>(0.0);
-            let row = key_row[cur + sk];
-            if (row != INVALID) {
-                for (var j = ss; j < TD; j += 4u * DS) {
-                    let k0v = kload(row, j);
-                    let k1v = kload(row, j + DS);
-                    let k2v = kload(row, j + 2u * DS);
-                    let k3v = kload(row, j + 3u * DS);
-                    // past TD the K values are zeros; the q index is clamped into the head's row
-                    let i1 = min(j + DS, TD - 1u);
-                    let i2 = min(j + 2u * DS, TD - 1u);
-                    let i3 = min(j + 3u * DS, TD - 1u);
-                    slo.x += dot(q_s[j], k0v) + dot(q_s[i1], k1v) + dot(q_s[i2], k2v) + dot(q_s[i3], k3v);
-                    slo.y += dot(q_s[TD + j], k0v) + dot(q_s[TD + i1], k1v) + dot(q_s[TD + i2], k2v)
-                           + dot(q_s[TD + i3], k3v);
-                    slo.z += dot(q_s[2u * TD + j], k0v) + dot(q_s[2u * TD + i1], k1v)
-                           + dot(q_s[2u * TD + i2], k2v) + dot(q_s[2u * TD + i3], k3v);
-                    slo.w += dot(q_s[3u * TD + j], k0v) + dot(q_s[3u * TD + i1], k1v)
-                           + dot(q_s[3u * TD + i2], k2v) + dot(q_s[3u * TD + i3], k3v);
+            // scores of head slot hs for the 4 keys
+            var s = vec4<f32>(0.0);
+            for (var i = 0u; i < 4u; i++) {
+                var kk = kv0;
+                switch i {
+                    case 1u: { kk = kv1; }
+                    case 2u: { kk = kv2; }
+                    case 3u: { kk = kv3; }
+                    default: {}
+                }
+                let x = lo4(kk);
+                let y = hi4(kk);
+                var lo = vec4<f32>(dot(q0, x), dot(q1, x), dot(q2, x), dot(q3, x));
+                var hi = vec4<f32>(0.0);
+                if (NG > 4u) {
+                    hi = vec4<f32>(dot(q4, x), dot(q5, x), dot(q6, x), dot(q7, x));
+                }
+                if (EU == 8u) {
+                    lo += vec4<f32>(dot(u0, y), dot(u1, y), dot(u2, y), dot(u3, y));
                     if (NG > 4u) {
-                        shi.x += dot(q_s[4u * TD + j], k0v) + dot(q_s[4u * TD + i1], k1v)
-                               + dot(q_s[4u * TD + i2], k2v) + dot(q_s[4u * TD + i3], k3v);
-                        shi.y += dot(q_s[5u * TD + j], k0v) + dot(q_s[5u * TD + i1], k1v)
-                               + dot(q_s[5u * TD + i2], k2v) + dot(q_s[5u * TD + i3], k3v);
-                        shi.z += dot(q_s[6u * TD + j], k0v) + dot(q_s[6u * TD + i1], k1v)
-                               + dot(q_s[6u * TD + i2], k2v) + dot(q_s[6u * TD + i3], k3v);
-                        shi.w += dot(q_s[7u * TD + j], k0v) + dot(q_s[7u * TD + i1], k1v)
-                               + dot(q_s[7u * TD + i2], k2v) + dot(q_s[7u * TD + i3], k3v);
+                        hi += vec4<f32>(dot(u4, y), dot(u5, y), dot(u6, y), dot(u7, y));
                     }
                 }
+                s[i] = reduce8(lo, hi, r) * params.scale;
             }
-            sbuf[2u * (ss * TK + sk)] = slo;        // [slice][key]
-            sbuf[2u * (ss * TK + sk) + 1u] = shi;
-            for (var k = tid; k < TK; k += WG) {
-                key_row[TK - cur + k] = locate(pages, k0 + TK + k, len);
-            }
-            workgroupBarrier();
 
-            // B1. scores (slices summed in order, scaled) and partial max of head slot sh
-            var lmax = 0.0;
-            var seen = false;
-            for (var k = lane; k < nk; k += SL) {
-                if (key_row[cur + k] != INVALID) {
-                    var s = 0.0;
-                    for (var i = 0u; i < DS; i++) {
-                        s += sbuf[2u * (i * TK + k) + hq][hc];
-                    }
-                    s *= params.scale;
-                    sbuf[2u * k + hq][hc] = s;   // this invocation alone reads and writes (k, sh)
-                    lmax = select(s, max(lmax, s), seen);
-                    seen = true;
-                }
-            }
-            red_m[tid] = lmax;
-            red_f[tid] = select(0u, 1u, seen);
-            workgroupBarrier();
-
-            // B2. head max, rescale factor, p = exp(s - m) and partial sums
-            var tmax = 0.0;
-            var found = false;
-            for (var i = 0u; i < SL; i++) {
-                let t = sh * SL + i;
-                if (red_f[t] != 0u) {
-                    tmax = select(red_m[t], max(tmax, red_m[t]), found);
-                    found = true;
-                }
-            }
+            // running softmax of head slot hs over the chunk's valid keys
+            let valid = vec4<bool>(row0 != INVALID, row1 != INVALID, row2 != INVALID, row3 != INVALID);
             var alpha = 1.0;
-            var m_new = m;
-            if (found) {
-                m_new = tmax;
+            var p = vec4<f32>(0.0);
+            if (any(valid)) {
+                var cmax = 0.0;
+                var seen = false;
+                for (var i = 0u; i < 4u; i++) {
+                    if (valid[i]) {
+                        cmax = select(s[i], max(cmax, s[i]), seen);
+                        seen = true;
+                    }
+                }
+                var m_new = cmax;
                 alpha = 0.0;  // nothing attended before: the accumulators are exactly 0
-                if (l > 0.0) {
-                    m_new = max(m, tmax);
+                if (!(l == 0.0)) {  // (a NaN l is not "nothing": it must reach the output, R11)
+                    m_new = max(m, cmax);
                     alpha = exp(m - m_new);
                 }
-            }
-            var lsum = 0.0;
-            for (var k = lane; k < nk; k += SL) {
-                var p = 0.0;
-                if (key_row[cur + k] != INVALID) {
-                    p = exp(sbuf[2u * k + hq][hc] - m_new);
-                }
-                sbuf[2u * k + hq][hc] = p;
-                lsum += p;
-            }
-            red_l[tid] = lsum;
-            if (lane == 0u) {
-                row_a[sh] = alpha;
-            }
-            workgroupBarrier();
-            if (found) {
-                var tsum = 0.0;
-                for (var i = 0u; i < SL; i++) {
-                    tsum += red_l[sh * SL + i];
+                for (var i = 0u; i < 4u; i++) {
+                    if (valid[i]) {
+                        p[i] = exp(s[i] - m_new);
+                    }
                 }
                 m = m_new;
-                l = l * alpha + tsum;
+                l = l * alpha + ((p.x + p.y) + (p.z + p.w));
             }
 
-            // C. o += P V over keys kg, kg + KG, ...; a masked key loads zeros and has p = 0
-            if (kg < KG) {
-                a0 *= row_a[0];
-                a1 *= row_a[1];
-                a2 *= row_a[2];
-                a3 *= row_a[3];
-                if (NG > 4u) {
-                    a4 *= row_a[4];
-                    a5 *= row_a[5];
-                    a6 *= row_a[6];
-                    a7 *= row_a[7];
+            // o_h = o_h alpha_h + sum_i p_hi v_i, alpha and p of head h from its slot lane
+            let x0 = lo4(vv0);
+            let x1 = lo4(vv1);
+            let x2 = lo4(vv2);
+            let x3 = lo4(vv3);
+            let y0 = hi4(vv0);
+            let y1 = hi4(vv1);
+            let y2 = hi4(vv2);
+            let y3 = hi4(vv3);
+            for (var h = 0u; h < NG; h++) {
+                let src = base + slot_lane(h);
+                let ph = subgroupShuffle(p, src);
+                let ah = subgroupShuffle(alpha, src);
+                let da = ph.x * x0 + ph.y * x1 + ph.z * x2 + ph.w * x3;
+                var db = vec4<f32>(0.0);
+                if (EU == 8u) {
+                    db = ph.x * y0 + ph.y * y1 + ph.z * y2 + ph.w * y3;
                 }
-                var k = kg;
-                for (; k + 3u * KG < nk; k += 4u * KG) {
-                    let v0 = vload(key_row[cur + k], td);
-                    let v1 = vload(key_row[cur + k + KG], td);
-                    let v2 = vload(key_row[cur + k + 2u * KG], td);
-                    let v3 = vload(key_row[cur + k + 3u * KG], td);
-                    let p0 = sbuf[2u * k];
-                    let p1 = sbuf[2u * (k + KG)];
-                    let p2 = sbuf[2u * (k + 2u * KG)];
-                    let p3 = sbuf[2u * (k + 3u * KG)];
-                    a0 += p0.x * v0 + p1.x * v1 + p2.x * v2 + p3.x * v3;
-                    a1 += p0.y * v0 + p1.y * v1 + p2.y * v2 + p3.y * v3;
-                    a2 += p0.z * v0 + p1.z * v1 + p2.z * v2 + p3.z * v3;
-                    a3 += p0.w * v0 + p1.w * v1 + p2.w * v2 + p3.w * v3;
-                    if (NG > 4u) {
-                        let u0 = sbuf[2u * k + 1u];
-                        let u1 = sbuf[2u * (k + KG) + 1u];
-                        let u2 = sbuf[2u * (k + 2u * KG) + 1u];
-                        let u3 = sbuf[2u * (k + 3u * KG) + 1u];
-                        a4 += u0.x * v0 + u1.x * v1 + u2.x * v2 + u3.x * v3;
-                        a5 += u0.y * v0 + u1.y * v1 + u2.y * v2 + u3.y * v3;
-                        a6 += u0.z * v0 + u1.z * v1 + u2.z * v2 + u3.z * v3;
-                        a7 += u0.w * v0 + u1.w * v1 + u2.w * v2 + u3.w * v3;
-                    }
-                }
-                for (; k < nk; k += KG) {
-                    let v = vload(key_row[cur + k], td);
-                    let p = sbuf[2u * k];
-                    a0 += p.x * v;
-                    a1 += p.y * v;
-                    a2 += p.z * v;
-                    a3 += p.w * v;
-                    if (NG > 4u) {
-                        let u = sbuf[2u * k + 1u];
-                        a4 += u.x * v;
-                        a5 += u.y * v;
-                        a6 += u.z * v;
-                        a7 += u.w * v;
-                    }
+                switch h {
+                    case 0u: { a0 = a0 * ah + da; b0 = b0 * ah + db; }
+                    case 1u: { a1 = a1 * ah + da; b1 = b1 * ah + db; }
+                    case 2u: { a2 = a2 * ah + da; b2 = b2 * ah + db; }
+                    case 3u: { a3 = a3 * ah + da; b3 = b3 * ah + db; }
+                    case 4u: { a4 = a4 * ah + da; b4 = b4 * ah + db; }
+                    case 5u: { a5 = a5 * ah + da; b5 = b5 * ah + db; }
+                    case 6u: { a6 = a6 * ah + da; b6 = b6 * ah + db; }
+                    default: { a7 = a7 * ah + da; b7 = b7 * ah + db; }
                 }
             }
-            workgroupBarrier();
         }
 
-        // sum the key groups into group 0: pairs (group g >= 1, head h) in order g-major, 2 KG
-        // pairs (TD vec4s each) per round through sbuf; group 0 adds them in that order
-        let npairs = QH * (KG - 1u);
-        for (var p0 = 0u; p0 < npairs; p0 += 2u * KG) {
-            if (kg >= 1u && kg < KG) {
-                for (var h = 0u; h < QH; h++) {
-                    let pr = (kg - 1u) * QH + h;
-                    if (pr >= p0 && pr < p0 + 2u * KG) {
-                        sbuf[(pr - p0) * TD + td] = pick(h, a0, a1, a2, a3, a4, a5, a6, a7);
-                    }
-                }
-            }
-            workgroupBarrier();
-            if (kg == 0u) {
-                let pend = min(npairs, p0 + 2u * KG);
-                for (var pr = p0; pr < pend; pr++) {
-                    let v = sbuf[(pr - p0) * TD + td];
-                    switch pr % QH {
-                        case 0u: { a0 += v; }
-                        case 1u: { a1 += v; }
-                        case 2u: { a2 += v; }
-                        case 3u: { a3 += v; }
-                        case 4u: { a4 += v; }
-                        case 5u: { a5 += v; }
-                        case 6u: { a6 += v; }
-                        default: { a7 += v; }
-                    }
-                }
-            }
-            workgroupBarrier();
-        }
+        // merge the groups in group order: M = max m_g over groups that attended something,
+        // w_g = exp(m_g - M), L = sum w_g l_g, o = sum w_g o_g. "Attended something" is
+        // !(l == 0): a group whose l is NaN (NaN or Inf in data it attended) is kept, so the NaN
+        // reaches the row as in the reference (R11), never dropped as empty
         let prow = prow0 + e * ng;
-        if (kg == 0u) {
+        if (NGRP == 1u) {
+            if (r == slot_lane(hs) && hs < ng) {
+                ml_out[prow + hs] = select(vec2<f32>(m, l), vec2<f32>(nan), broken);
+            }
+        } else {
+            if (r == slot_lane(hs)) {
+                gm[grp * 8u + hs] = m;
+                gl[grp * 8u + hs] = l;
+            }
+            workgroupBarrier();
+            // this group's weight for every head slot; group 0 also forms (M, L)
+            var wl = vec4<f32>(0.0);
+            var wh = vec4<f32>(0.0);
+            for (var h = 0u; h < 8u; h++) {
+                var mx = 0.0;
+                var seen = false;
+                for (var g = 0u; g < NGRP; g++) {
+                    if (!(gl[g * 8u + h] == 0.0)) {
+                        mx = select(gm[g * 8u + h], max(mx, gm[g * 8u + h]), seen);
+                        seen = true;
+                    }
+                }
+                var w = 0.0;
+                if (!(gl[grp * 8u + h] == 0.0)) {
+                    w = exp(gm[grp * 8u + h] - mx);
+                }
+                if (h < 4u) { wl[h] = w; } else { wh[h - 4u] = w; }
+                if (grp == 0u && r == 0u && h < ng) {
+                    var lsum = 0.0;
+                    for (var g = 0u; g < NGRP; g++) {
+                        if (!(gl[g * 8u + h] == 0.0)) {
+                            lsum += exp(gm[g * 8u + h] - mx) * gl[g * 8u + h];
+                        }
+                    }
+                    ml_out[prow + h] = select(vec2<f32>(mx, lsum), vec2<f32>(nan), broken);
+                }
+            }
+            a0 *= wl.x; b0 *= wl.x;
+            a1 *= wl.y; b1 *= wl.y;
+            a2 *= wl.z; b2 *= wl.z;
+            a3 *= wl.w; b3 *= wl.w;
+            a4 *= wh.x; b4 *= wh.x;
+            a5 *= wh.y; b5 *= wh.y;
+            a6 *= wh.z; b6 *= wh.z;
+            a7 *= wh.w; b7 *= wh.w;
+            if (grp > 0u && r < TE) {
+                for (var h = 0u; h < 8u; h++) {
+                    let ob = ((grp - 1u) * 8u + h) * TD + jo;
+                    obuf[ob] = pick(h, a0, a1, a2, a3, a4, a5, a6, a7);
+                    if (EU == 8u) {
+                        obuf[ob + 1u] = pick(h, b0, b1, b2, b3, b4, b5, b6, b7);
+                    }
+                }
+            }
+            workgroupBarrier();
+            if (grp == 0u && r < TE) {
+                for (var g = 1u; g < NGRP; g++) {
+                    let gb = (g - 1u) * 8u * TD + jo;
+                    a0 += obuf[gb];
+                    a1 += obuf[gb + TD];
+                    a2 += obuf[gb + 2u * TD];
+                    a3 += obuf[gb + 3u * TD];
+                    a4 += obuf[gb + 4u * TD];
+                    a5 += obuf[gb + 5u * TD];
+                    a6 += obuf[gb + 6u * TD];
+                    a7 += obuf[gb + 7u * TD];
+                    if (EU == 8u) {
+                        b0 += obuf[gb + 1u];
+                        b1 += obuf[gb + TD + 1u];
+                        b2 += obuf[gb + 2u * TD + 1u];
+                        b3 += obuf[gb + 3u * TD + 1u];
+                        b4 += obuf[gb + 4u * TD + 1u];
+                        b5 += obuf[gb + 5u * TD + 1u];
+                        b6 += obuf[gb + 6u * TD + 1u];
+                        b7 += obuf[gb + 7u * TD + 1u];
+                    }
+                }
+            }
+            workgroupBarrier();  // gm, gl and obuf are rewritten by the next edge
+        }
+        if (grp == 0u && r < TE) {
             for (var h = 0u; h < ng; h++) {
-                let a = pick(h, a0, a1, a2, a3, a4, a5, a6, a7);
-                let ob = (prow + h) * D + 4u * td;
-                o_out[ob] = a.x;
-                if (4u * td + 1u < D) { o_out[ob + 1u] = a.y; }
-                if (4u * td + 2u < D) { o_out[ob + 2u] = a.z; }
-                if (4u * td + 3u < D) { o_out[ob + 3u] = a.w; }
+                store4(prow + h, jo, pick(h, a0, a1, a2, a3, a4, a5, a6, a7));
+                if (EU == 8u) {
+                    store4(prow + h, jo + 1u, pick(h, b0, b1, b2, b3, b4, b5, b6, b7));
+                }
             }
         }
-        if (sh < ng && lane == 0u) {
-            ml_out[prow + sh] = vec2<f32>(m, l);
-        }
-        workgroupBarrier();  // q_s, key_row and sbuf are rewritten by the next edge
     }
 }

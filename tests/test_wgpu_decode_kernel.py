@@ -83,21 +83,37 @@ GRID = [
 ]
 
 
+def _lanes_fit(backend, D, dtype) -> bool:
+    """Whether a key group of this head dim fits the device's subgroups (lavapipe: 8 lanes, so
+    rows of at most 8 units; NVIDIA: 32)."""
+    from paged_sparse_attn.backends.wgpu._decode import decode_lanes
+    from paged_sparse_attn.backends.wgpu._device import subgroup_size
+
+    size, why = subgroup_size(backend._device())
+    assert size is not None, why  # the devices tested (lavapipe, NVIDIA) have subgroups
+    return decode_lanes(D, np.dtype(dtype).itemsize)[1] <= size
+
+
 @pytest.mark.parametrize("G,D,S,ppb,dtype", GRID)
-def test_R9_R10_R14_decode_kernel_matches_numpy_and_the_reference(dec, G, D, S, ppb, dtype):
+def test_R9_R10_R14_decode_kernel_matches_numpy_and_the_reference(dec, WgpuBackend, G, D, S, ppb, dtype):
     # one query per sequence (incl. an empty sequence); random L_b (not multiples of the page or
     # block), holes, -1 padding, rows that select nothing; unattended cells NaN/Inf-poisoned
     msb = 3 if S * ppb <= 64 else 2
     pb = make_problem(1000 + G * 7 + D + S + ppb, seqlens_q=(1, 1, 0, 1, 1), Hkv=2, G=G, D=D, page_size=S,
                       ppb=ppb, msb=msb, dtype=dtype, used="random", hole_prob=0.2, fill=0.7)
     pb.selected[1] = -1  # a query that selects nothing: an empty row
-    _check(pb, dec)
+    if _lanes_fit(dec, D, dtype):
+        _check(pb, dec)
+    else:  # R18: refused when forced, naming why; "auto" runs the generic kernel
+        with pytest.raises(UnsupportedError, match="decode.*subgroup size"):
+            psa.forward(*pb.args, **pb.kwargs, backend=dec)
+        _check(pb, WgpuBackend(required_limits="default"), GENERIC)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_R14_blocks_of_several_tiles_rescale_the_running_softmax(WgpuBackend, dtype):
-    # 64 invocations: tiles of at most 64 keys, so a 256-key block takes 4 tiles whose maxima
-    # differ (scale 1 spreads the scores); the running (m, l, o) must be rescaled between tiles
+    # a 256-key block is walked in chunks of 4 keys per key group whose maxima differ (scale 1
+    # spreads the scores); the running (m, l, o) must be rescaled between chunks
     be = WgpuBackend(required_limits="default", partials_kernel="decode", workgroup_size=64)
     pb = make_problem(41, seqlens_q=(1, 1, 1), Hkv=1, G=8, D=32, page_size=64, ppb=4, msb=2, dtype=dtype,
                       used=[512, 300, 130], hole_prob=0.1, fill=1.0, softmax_scale=1.0)
@@ -109,6 +125,15 @@ def test_R9_lengths_not_multiples_of_page_or_block_and_past_length_poison(dec):
     pb = make_problem(77, seqlens_q=(1, 1, 1, 1), Hkv=1, G=8, D=64, page_size=16, ppb=3, msb=3,
                       dtype=np.float16, used=[1, 17, 33, 95], hole_prob=0.0, fill=1.0)
     assert pb.notes["poisoned_cells"] > 0  # positions >= L_b hold NaN/Inf
+    _check(pb, dec)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_R9_blocks_of_more_pages_than_lanes(dec, dtype):
+    # 40 pages of 1 key per block: more than a key group's lanes (R <= 32), so rows are located
+    # through the plan, not through the page list held in the lanes; holes included
+    pb = make_problem(88, seqlens_q=(1, 1, 1), Hkv=1, G=4, D=16, page_size=1, ppb=40, msb=3, dtype=dtype,
+                      used=[120, 81, 40], hole_prob=0.2, fill=1.0)
     _check(pb, dec)
 
 
@@ -138,7 +163,7 @@ def test_R12_logits_near_minus_1e6_are_exact(dec):
 def test_R14_split_bindings_and_small_grids(dec_split, dtype):
     # 4 KiB chunks: blocks of 4 pages span chunks (per-chunk pieces merged); 2 x 2 grids: many
     # dispatches and y > 0 workgroup ids
-    pb = make_problem(31, seqlens_q=(1,) * 6, Hkv=2, G=3, D=12, page_size=8, ppb=4, msb=3, dtype=dtype,
+    pb = make_problem(31, seqlens_q=(1,) * 6, Hkv=2, G=3, D=24, page_size=8, ppb=4, msb=3, dtype=dtype,
                       used="random", hole_prob=0.15)
     _check(pb, dec_split)
     assert dec_split.last_timings["chunks"] > 1
@@ -158,7 +183,7 @@ def test_R14_forward_partials_equal_the_generic_kernel(dec, gen):
 
 
 def test_R19_decode_kernel_is_bitwise_deterministic(dec):
-    pb = make_problem(9, seqlens_q=(1, 1, 1), Hkv=2, G=16, D=128, page_size=16, ppb=4, msb=2,
+    pb = make_problem(9, seqlens_q=(1, 1, 1), Hkv=2, G=16, D=64, page_size=16, ppb=4, msb=2,
                       dtype=np.float16, used="full", hole_prob=0.1)
     a, la = psa.forward(*pb.args, **pb.kwargs, backend=dec, return_lse=True)
     for _ in range(2):
@@ -180,6 +205,15 @@ def test_R18_forced_decode_on_a_prefill_problem_raises_naming_why(dec):
     pf = make_problem(3, seqlens_q=(2, 1), Hkv=1, G=4, D=8, page_size=4, ppb=2, msb=3, used="full", fill=1.0)
     with pytest.raises(UnsupportedError, match="decode.*one query"):
         psa.forward(*pf.args, **pf.kwargs, backend=dec)
+
+
+def test_R18_float16_rows_of_half_units_run_the_generic_kernel_or_raise_when_forced(WgpuBackend, dec):
+    # head_dim 12 in float16: a row is 3 vec4s = 24 bytes, not whole 16-byte units
+    pb = make_problem(12, seqlens_q=(1, 1), Hkv=1, G=4, D=12, page_size=4, ppb=2, msb=3, used="full",
+                      dtype=np.float16)
+    _check(pb, WgpuBackend(required_limits="default"), GENERIC)
+    with pytest.raises(UnsupportedError, match="decode.*24 bytes, not whole 16-byte units"):
+        psa.forward(*pb.args, **pb.kwargs, backend=dec)
 
 
 def test_partials_kernel_option_is_validated(WgpuBackend):
@@ -205,13 +239,35 @@ def test_profile_forward_kernel_override_times_both_kernels(WgpuBackend):
         be.profile_forward(p, idx, repeat=1, kernel="fast")
 
 
-@pytest.mark.parametrize("tile", [1, 4, 32, 128])
-def test_R9_R14_decode_kernel_every_head_dim_slicing(WgpuBackend, tile):
-    """Keys per tile from 1 to 128 give DS = WG / TK interleaved head-dim slices per key (from
-    WG down to 1): every slicing matches the reference, blocks longer than a tile included."""
-    be = WgpuBackend(partials_kernel="decode", workgroup_size=128)
-    be._tune = {"max_tk": tile}
-    pb = make_problem(31 + tile, seqlens_q=(1, 1, 1), G=8, D=48, page_size=8, ppb=4, msb=4, dtype=np.float16)
-    _check(pb, be)
+@pytest.mark.parametrize("wg", [8, 32, 128])
+@pytest.mark.parametrize("D,dtype", [(32, np.float32), (64, np.float16), (8, np.float16)])
+def test_R9_R14_R19_decode_kernel_key_groups_merge(WgpuBackend, wg, D, dtype):
+    """One to many key groups per workgroup (WG / R): the groups' (m, l, o) are merged by their
+    log-sum-exp weights; every split matches the reference and is deterministic."""
+    be = WgpuBackend(partials_kernel="decode")
+    be._decode_wg = wg
+    pb = make_problem(31 + wg + D, seqlens_q=(1, 1, 1), G=8, D=D, page_size=8, ppb=4, msb=4, dtype=dtype,
+                      used=[128, 77, 5], hole_prob=0.2)
+    assert _index(pb).num_edges > 0
+    out, lse = _check(pb, be)
     g = be.last_timings["geometry"]
-    assert g.TK == min(tile, 32) and g.WG == 128
+    assert g.WG >= wg and g.WG % g.R == 0
+    again, lse2 = psa.forward(*pb.args, **pb.kwargs, backend=be, return_lse=True)
+    assert out.tobytes() == again.tobytes() and lse.tobytes() == lse2.tobytes()
+
+
+def test_R18_subgroup_size_is_measured_once_per_device(WgpuBackend):
+    from paged_sparse_attn.backends.wgpu._device import subgroup_size
+
+    ctx = WgpuBackend(required_limits="default")._device()
+    size, why = subgroup_size(ctx)
+    assert why == "" and size >= 8 and size & (size - 1) == 0  # lavapipe 8, NVIDIA 32
+    assert subgroup_size(ctx) is ctx.subgroup  # measured once, then kept
+
+
+def test_R18_without_the_subgroup_feature_decode_is_refused_and_auto_runs_generic(WgpuBackend):
+    pb = make_problem(21, seqlens_q=(1, 1), Hkv=1, G=4, D=16, page_size=4, ppb=2, msb=3, used="full")
+    forced = WgpuBackend(required_limits="default", partials_kernel="decode", disable_features=("subgroup",))
+    with pytest.raises(UnsupportedError, match="decode.*lacks the subgroup feature"):
+        psa.forward(*pb.args, **pb.kwargs, backend=forced)
+    _check(pb, WgpuBackend(required_limits="default", disable_features=("subgroup",)), GENERIC)

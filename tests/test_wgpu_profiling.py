@@ -104,12 +104,16 @@ def test_pooled_buffers_grow_and_shrink_across_calls_without_stale_data(WgpuBack
 
 def test_geometry_is_chosen_per_call(WgpuBackend):
     be = WgpuBackend()  # adapter limits: the shapes below fit without halving
-    decode = make_problem(7, seqlens_q=(1, 1), G=4, D=64, page_size=4, ppb=4, msb=3)
+    decode = make_problem(7, seqlens_q=(1, 1), G=4, D=32, page_size=4, ppb=4, msb=3)
     _fwd(decode, be)
     g = be.last_timings["geometry"]
-    from paged_sparse_attn.backends.wgpu._decode import DECODE_WG
+    from paged_sparse_attn.backends.wgpu._decode import DECODE, DECODE_GROUPS
+    from paged_sparse_attn.backends.wgpu._device import subgroup_size
 
-    assert (g.WG, g.TK) == (DECODE_WG, 16)  # the decode kernel's default size; TK = min(WG / 2, block 16)
+    # the decode kernel's default: DECODE_GROUPS key groups of R = 8 lanes (8 units per row), or
+    # one subgroup when that is larger
+    assert g.kernel == DECODE and g.R == 8
+    assert g.WG == max(DECODE_GROUPS * g.R, subgroup_size(be._device())[0])
     prefill = make_problem(8, seqlens_q=(12,), G=4, D=64, page_size=4, ppb=4, msb=3, topk=3, used="full")
     _fwd(prefill, be)
     g = be.last_timings["geometry"]

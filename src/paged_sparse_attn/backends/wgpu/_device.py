@@ -12,7 +12,7 @@ from typing import Any, Iterator, Mapping
 
 from ...errors import DeviceError
 
-__all__ = [
+__all__ = ["subgroup_size", 
     "WEBGPU_DEFAULT_LIMITS",
     "INSTALL_HINT",
     "DRIVER_HINT",
@@ -79,8 +79,8 @@ REPORTED_LIMITS = (
 
 # Features the backend uses when the adapter has them. timestamp-query is always requested (it
 # costs nothing until a query set is written; profiling and copy_bandwidth need it); subgroup
-# is requested for future subgroup paths (today every kernel, decode included, uses workgroup
-# memory only and runs without it).
+# is what the decode partials kernel needs (its shuffles); without it decode calls run the
+# generic kernel.
 WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
 
 
@@ -140,6 +140,62 @@ class DeviceContext:
     bind_groups: dict = field(default_factory=lambda: PipelineCache(MAX_BIND_GROUPS))  # see _transfer.bind_group
     geometries: dict = field(default_factory=lambda: PipelineCache(MAX_PIPELINES))  # kernel geometries by call shape
     ns_per_tick: float = 1.0  # timestamp period: resolved query values are ticks of this many ns
+    subgroup: tuple | None = None  # (size or None, why not): measured once, see subgroup_size()
+
+
+SUBGROUP_PROBE = "psa_subgroup_size.wgsl"
+SUBGROUP_PROBE_WG = 64
+
+
+def subgroup_size(ctx: DeviceContext) -> tuple[int | None, str]:
+    """The subgroup size the device runs compute shaders with, measured when the device is
+    opened; ``(None, why)`` when there is no single size the subgroup kernels can rely on.
+
+    Adapters advertise a range (lavapipe: 4..128) rather than the size; this runs
+    ``psa_subgroup_size.wgsl`` (one workgroup of 64) and accepts a size only when every
+    invocation reports it and lane == invocation index mod size (groups of consecutive lanes).
+    """
+    if ctx.subgroup is None:
+        ctx.subgroup = _measure_subgroup(ctx)
+    return ctx.subgroup
+
+
+def _measure_subgroup(ctx: DeviceContext) -> tuple[int | None, str]:
+    import numpy as np
+    import wgpu
+
+    from ._shaders import shader_source
+
+    if "subgroup" not in ctx.features:
+        return None, "the device lacks the subgroup feature"
+    dev = ctx.device
+    try:
+        module = dev.create_shader_module(code=shader_source(SUBGROUP_PROBE), label=SUBGROUP_PROBE)
+        pipe = dev.create_compute_pipeline(layout="auto", compute={
+            "module": module, "entry_point": "main", "constants": {"WG": SUBGROUP_PROBE_WG}})
+        buf = dev.create_buffer(size=8 * SUBGROUP_PROBE_WG, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+        try:
+            bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0),
+                                       entries=[{"binding": 0, "resource": {"buffer": buf}}])
+            enc = dev.create_command_encoder()
+            cp = enc.begin_compute_pass()
+            cp.set_pipeline(pipe)
+            cp.set_bind_group(0, bg)
+            cp.dispatch_workgroups(1)
+            cp.end()
+            dev.queue.submit([enc.finish()])
+            got = np.frombuffer(dev.queue.read_buffer(buf), dtype=np.uint32).reshape(-1, 2)
+        finally:
+            buf.destroy()
+    except Exception as exc:  # a probe reports, it does not raise
+        return None, f"the subgroup size probe failed: {exc}"
+    sizes = np.unique(got[:, 0])
+    if sizes.shape[0] != 1:
+        return None, f"subgroup sizes vary within a workgroup ({sorted(int(x) for x in sizes)})"
+    size = int(sizes[0])
+    if size < 1 or not np.array_equal(got[:, 1], np.arange(SUBGROUP_PROBE_WG) % size):
+        return None, f"subgroup lanes (size {size}) do not follow the invocation index"
+    return size, ""
 
 
 def timestamp_period(device: Any) -> float:
@@ -238,7 +294,7 @@ def open_device(
             raise ValueError(f"WgpuBackend(): max_workgroups_per_dim must be >= 1, got {max_workgroups_per_dim}")
         wgdim = min(wgdim, int(max_workgroups_per_dim))
     info = adapter.info
-    return DeviceContext(
+    ctx = DeviceContext(
         adapter=adapter,
         device=device,
         summary=adapter_summary(adapter),
@@ -254,6 +310,10 @@ def open_device(
         generation=generation,
         ns_per_tick=timestamp_period(device),
     )
+    # measured here, with the device, so that no call compiles or allocates anything before its
+    # own checks (a refused call must leave the device untouched)
+    ctx.subgroup = _measure_subgroup(ctx)
+    return ctx
 
 
 @contextlib.contextmanager

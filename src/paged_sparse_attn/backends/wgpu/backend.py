@@ -28,7 +28,8 @@ from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._ceilings import copy_bandwidth, read_bandwidth
 from ._decode import DECODE, KERNELS, choose_decode_geometry, decode_ineligible
-from ._device import DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, device_errors, open_device
+from ._device import (DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, device_errors, open_device,
+                      subgroup_size)
 from ._index_branch import IndexBranchMixin
 from ._plan import (
     BatchPlan,
@@ -49,6 +50,7 @@ MERGE = "psa_merge.wgsl"
 MERGE_WG = 64
 # Kernels whose every index the host proves in range (validated index, planner-built records):
 # the only ones that may be compiled without runtime checks.
+UNIT_KERNELS = frozenset({"psa_partials_decode.wgsl"})  # caches bound as vec4<u32>, one text for all dtypes
 TRUSTED_KERNELS = frozenset({"psa_partials.wgsl", "psa_partials_decode.wgsl", "psa_merge.wgsl"})
 PARAM_BYTES = 32
 AUTO_REPLAY_BUSY_S = 0.05  # profile_forward(replay="auto"): GPU time per call to aim for
@@ -166,6 +168,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
             raise ValueError(f"WgpuBackend(): workgroup_size must be in 64..{self._ctx.max_invocations}, got {wg}")
         self._wg = wg  # None: chosen per call (_shape)
         self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
+        self._decode_wg: int | None = None  # decode kernel workgroup size, for tuning experiments
         self._profiling = False  # profile_forward: timestamps on every pass
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call
         self._runtime_checks = bool(runtime_checks)  # False: TRUSTED_KERNELS compiled without them
@@ -272,6 +275,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
 
     def _pipeline(self, kernel: str, f16: bool, constants: dict[str, int]):
         ctx = self._device()
+        f16 = f16 and kernel not in UNIT_KERNELS  # they read the caches as 16-byte units (EU constant)
         checks = self._runtime_checks or kernel not in TRUSTED_KERNELS
         key = (kernel, f16, checks, tuple(sorted(constants.items())))
         hit = ctx.pipelines.get(key)
@@ -697,7 +701,8 @@ class WgpuBackend(IndexBranchMixin, Backend):
         every step); refusals are not kept.
         """
         index = view.index
-        key = (self._kernel_override or self._kernel, self._wg, tuple(sorted(self._tune.items())), D, G, itemsize,
+        key = (self._kernel_override or self._kernel, self._wg, self._decode_wg, tuple(sorted(self._tune.items())),
+               D, G, itemsize,
                index.page_size, index.block_size, view.max_slot_edges)
         cache = ctx.geometries
         hit = cache.get(key)
@@ -710,13 +715,14 @@ class WgpuBackend(IndexBranchMixin, Backend):
         index = view.index
         want = self._kernel_override or self._kernel
         if want != "generic":
-            why = decode_ineligible(D=D, max_slot_edges=view.max_slot_edges, wg_limit=ctx.max_invocations)
+            why = decode_ineligible(D=D, max_slot_edges=view.max_slot_edges, wg_limit=ctx.max_invocations,
+                                    kv_itemsize=itemsize, subgroup=subgroup_size(ctx))
             if why is None:
                 try:
                     return choose_decode_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
                                                   kv_itemsize=itemsize, wg_storage=ctx.workgroup_storage,
-                                                  wg_limit=ctx.max_invocations, wg_size=self._wg,
-                                                  tile=self._tune.get("max_tk"))
+                                                  wg_limit=ctx.max_invocations, subgroup_size=subgroup_size(ctx)[0],
+                                                  wg_size=self._decode_wg or self._wg)
                 except UnsupportedError as exc:
                     why = str(exc)
             if want == "decode":
