@@ -25,31 +25,35 @@
 // Layout. A key group is R consecutive lanes of one subgroup; lane r owns unit r of every K and
 // V row it reads (a group reads whole rows, coalesced) and holds the query's dims of that unit
 // for all 8 head slots in registers (loaded once per edge). The workgroup's NGRP = WG / R groups
-// take the block's keys in chunks of 4: chunk c of group g is keys (c NGRP + g) 4 .. + 3. A lane
-// issues the next chunk's 4 K and 4 V loads before the current chunk's math (two chunks in
-// flight; rows are found from the block's page list, held one entry per lane and read with a
-// shuffle when it fits in R entries). For each key of a chunk the lane forms 8 partial dot
-// products (one per head slot) and reduce-scatters them across the group with shuffles (4, 2,
-// 1, then 1 value per step: 8 shuffles leave lane r with the full score of head slot
-// hs(r) = 4 [r & R/2] + 2 [r & R/4] + [r & R/8]); the lane updates that head's running (m, l)
-// over the chunk, and the rescale factor and the 4 weights p of every head are shuffled to all
-// lanes, which update their accumulators o_h = o_h alpha_h + sum_i p_hi v_i (8 head slots x EU
-// dims). No workgroup memory and no barrier is used until the end of an edge, where the groups'
-// (m, l, o) are merged in group order through workgroup memory (log-sum-exp weights).
+// take the block's keys in chunks of 4: chunk c of group g is keys (c NGRP + g) 4 .. + 3. A
+// chunk's 4 K and 4 V loads are issued together; with PF = 1 a lane issues the next chunk's
+// loads before the current chunk's math (two chunks in flight). Rows are found from the block's
+// page list, held one entry per lane and read with a shuffle when it fits in R entries. For each
+// key of a chunk the lane forms 8 partial dot products (one per head slot) and reduce-scatters
+// them across the group with shuffles (4, 2, 1, then 1 value per step: 8 shuffles leave lane r
+// with the full score of head slot hs(r) = 4 [r & R/2] + 2 [r & R/4] + [r & R/8]); the lane
+// updates that head's running (m, l) over the chunk, and the rescale factor and the 4 weights p
+// of every head are shuffled to all lanes, which update their accumulators
+// o_h = o_h alpha_h + sum_i p_hi v_i (8 head slots x EU dims). No workgroup memory and no
+// barrier is used until the end of an edge, where the groups' (m, l, o) are merged with
+// log-sum-exp weights: the groups of a subgroup pairwise with shuffles, then the NSG subgroups
+// in order through workgroup memory (nothing to do there with one subgroup per workgroup).
 //
 // A masked key (past the edge's edge_len, or on an INVALID page) is never read (R10): its K and V
 // units stay zero, it is left out of the maximum and its p is 0, so memory that may hold NaN is
 // never multiplied by a zero weight. Every sum is in a fixed order (shuffle steps, chunk order,
-// group order), so results are bitwise deterministic (R19). Loops run the same trip counts on
-// every lane of the workgroup (masked keys instead of shorter loops), so shuffles never execute
-// in divergent control flow.
+// pairwise, then subgroup order), so results are bitwise deterministic (R19). Loops run the same
+// trip counts on every lane of the workgroup (masked keys instead of shorter loops), so shuffles
+// never execute in divergent control flow.
 //
 // Override constants
 //   D, S   head dim, page size          TD  = ceil(D / 4): vec4s of a q / o row
 //   EU     cache elements per unit (4: float32, 8: float16); TE = 4 TD / EU units per row
 //   NG     heads per work item (the host's RMAX; ng <= NG <= 8)
-//   R      lanes per key group: a power of two, 8 <= R <= subgroup size, TE <= R
-//   WG     workgroup size: a multiple of R and of the subgroup size
+//   R      lanes per key group: a power of two, 8 <= R <= SG, TE <= R
+//   SG     the device's subgroup size, as the host measured it (lanes = invocation index mod SG)
+//   WG     workgroup size: a multiple of R and of SG
+//   PF     1: the next chunk's loads in flight during a chunk (more registers per lane)
 
 override D: u32;
 override S: u32;
@@ -59,8 +63,12 @@ override TD: u32;
 override EU: u32 = 4u;
 override R: u32 = 16u;
 override TE: u32 = TD * 4u / EU;                   // 16-byte units per cache row
+override SG: u32 = 32u;                            // the device's subgroup size (measured by the host)
+override PF: u32 = 1u;                             // 1: the next chunk's loads in flight during a chunk
 override NGRP: u32 = WG / R;                       // key groups per workgroup
-override OB: u32 = max(1u, (NGRP - 1u) * 8u * TD); // vec4s of the group merge buffer
+override GW: u32 = min(SG, WG);                    // lanes of one subgroup in the workgroup
+override NSG: u32 = WG / GW;                       // subgroups per workgroup
+override OB: u32 = max(1u, (NSG - 1u) * 8u * TD);  // vec4s of the subgroup merge buffer
 const INVALID: u32 = 0xffffffffu;
 
 struct Params {
@@ -82,9 +90,9 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
-var<workgroup> gm: array<f32, 8u * NGRP>;           // group merge: running max [group][head slot]
-var<workgroup> gl: array<f32, 8u * NGRP>;           // running sum [group][head slot]
-var<workgroup> obuf: array<vec4<f32>, OB>;          // accumulators of groups 1.. [group-1][head][td]
+var<workgroup> gm: array<f32, 8u * NSG>;            // subgroup merge: running max [subgroup][head slot]
+var<workgroup> gl: array<f32, 8u * NSG>;            // running sum [subgroup][head slot]
+var<workgroup> obuf: array<vec4<f32>, OB>;          // accumulators of subgroups 1.. [sg-1][head][td]
 
 // unit index of the cache row of block position `pos`, or INVALID (past len, or not readable)
 fn locate(pages: u32, pos: u32, len: u32) -> u32 {
@@ -229,9 +237,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let hs = 4u * select(0u, 1u, (r & (R / 2u)) != 0u) + 2u * select(0u, 1u, (r & (R / 4u)) != 0u)
            + select(0u, 1u, (r & (R / 8u)) != 0u);  // head slot whose score lane r holds
     let base = sl - r;           // subgroup lane of the group's lane 0
-    // the layout assumes groups of R consecutive lanes of one subgroup; a device that breaks it
-    // gets NaN rows (loud), never plausible numbers
-    let broken = sgs < R || (sl % R) != r;
+    // the layout assumes subgroups of SG consecutive invocations (what the host measured); a
+    // device that breaks it gets NaN rows (loud), never plausible numbers
+    let broken = sgs != SG || sl != tid % SG;
     let jo = r * (EU / 4u);      // q / o vec4 of the unit's first 4 dims
     let nan = bitcast<f32>(0x7fc00000u);
 
@@ -294,18 +302,44 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             pg = plan[pages + r];
         }
         let step = NGRP * 4u;
-        // chunk 0's rows and loads; in the loop the next chunk's loads are issued before the
-        // current chunk's math (two chunks in flight per lane)
-        var nrow = locate4(pages, grp * 4u, len, pg, base, pages_in_lanes);
-        var nk0 = kunit(nrow.x, r);
-        var nk1 = kunit(nrow.y, r);
-        var nk2 = kunit(nrow.z, r);
-        var nk3 = kunit(nrow.w, r);
-        var nv0 = vunit(nrow.x, r);
-        var nv1 = vunit(nrow.y, r);
-        var nv2 = vunit(nrow.z, r);
-        var nv3 = vunit(nrow.w, r);
+        // PF = 1: chunk 0's rows and loads here; in the loop the next chunk's loads are issued
+        // before the current chunk's math (two chunks in flight per lane). PF = 0: each chunk's
+        // loads at the top of its iteration (half the registers for loads)
+        var nrow = vec4<u32>(INVALID);
+        var nk0 = vec4<u32>(0u);
+        var nk1 = vec4<u32>(0u);
+        var nk2 = vec4<u32>(0u);
+        var nk3 = vec4<u32>(0u);
+        var nv0 = vec4<u32>(0u);
+        var nv1 = vec4<u32>(0u);
+        var nv2 = vec4<u32>(0u);
+        var nv3 = vec4<u32>(0u);
+        var kn = select(0u, grp * 4u, PF == 0u);  // first key of the chunk to load next
+        if (PF == 1u) {
+            nrow = locate4(pages, grp * 4u, len, pg, base, pages_in_lanes);
+            nk0 = kunit(nrow.x, r);
+            nk1 = kunit(nrow.y, r);
+            nk2 = kunit(nrow.z, r);
+            nk3 = kunit(nrow.w, r);
+            nv0 = vunit(nrow.x, r);
+            nv1 = vunit(nrow.y, r);
+            nv2 = vunit(nrow.z, r);
+            nv3 = vunit(nrow.w, r);
+            kn = grp * 4u + step;
+        }
         for (var kb = 0u; kb < len; kb += step) {
+            if (PF == 0u) {
+                nrow = locate4(pages, kn, len, pg, base, pages_in_lanes);
+                nk0 = kunit(nrow.x, r);
+                nk1 = kunit(nrow.y, r);
+                nk2 = kunit(nrow.z, r);
+                nk3 = kunit(nrow.w, r);
+                nv0 = vunit(nrow.x, r);
+                nv1 = vunit(nrow.y, r);
+                nv2 = vunit(nrow.z, r);
+                nv3 = vunit(nrow.w, r);
+                kn += step;
+            }
             let row0 = nrow.x;
             let row1 = nrow.y;
             let row2 = nrow.z;
@@ -318,15 +352,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let vv1 = nv1;
             let vv2 = nv2;
             let vv3 = nv3;
-            nrow = locate4(pages, kb + step + grp * 4u, len, pg, base, pages_in_lanes);
-            nk0 = kunit(nrow.x, r);
-            nk1 = kunit(nrow.y, r);
-            nk2 = kunit(nrow.z, r);
-            nk3 = kunit(nrow.w, r);
-            nv0 = vunit(nrow.x, r);
-            nv1 = vunit(nrow.y, r);
-            nv2 = vunit(nrow.z, r);
-            nv3 = vunit(nrow.w, r);
+            if (PF == 1u) {
+                nrow = locate4(pages, kn, len, pg, base, pages_in_lanes);
+                nk0 = kunit(nrow.x, r);
+                nk1 = kunit(nrow.y, r);
+                nk2 = kunit(nrow.z, r);
+                nk3 = kunit(nrow.w, r);
+                nv0 = vunit(nrow.x, r);
+                nv1 = vunit(nrow.y, r);
+                nv2 = vunit(nrow.z, r);
+                nv3 = vunit(nrow.w, r);
+                kn += step;
+            }
 
             // scores of head slot hs for the 4 keys
             var s = vec4<f32>(0.0);
@@ -413,41 +450,103 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
 
-        // merge the groups in group order: M = max m_g over groups that attended something,
-        // w_g = exp(m_g - M), L = sum w_g l_g, o = sum w_g o_g. "Attended something" is
-        // !(l == 0): a group whose l is NaN (NaN or Inf in data it attended) is kept, so the NaN
-        // reaches the row as in the reference (R11), never dropped as empty
+        // merge the key groups: M = max m_g over groups that attended something, w_g =
+        // exp(m_g - M), L = sum w_g l_g, o = sum w_g o_g. "Attended something" is !(l == 0): a
+        // group whose l is NaN (NaN or Inf in data it attended) is kept, so the NaN reaches the
+        // row as in the reference (R11), never dropped as empty.
+        // 1. the groups of one subgroup, pairwise at lane distance R, 2R, ... with shuffles; both
+        //    lanes of a pair form the same two products and add them (a + b == b + a), so the
+        //    pair ends with identical, deterministic state
+        for (var k = R; k < GW; k <<= 1u) {
+            let mo = subgroupShuffleXor(m, k);
+            let lo = subgroupShuffleXor(l, k);
+            let own = !(l == 0.0);
+            let oth = !(lo == 0.0);
+            var mm = m;
+            if (own && oth) {
+                mm = max(m, mo);
+            } else if (oth) {
+                mm = mo;
+            }
+            let wo = select(0.0, exp(m - mm), own);
+            let wt = select(0.0, exp(mo - mm), oth);
+            l = wo * l + wt * lo;
+            m = mm;
+            for (var h = 0u; h < NG; h++) {
+                let src = base + slot_lane(h);
+                let w0 = subgroupShuffle(wo, src);
+                let w1 = subgroupShuffle(wt, src);
+                switch h {
+                    case 0u: {
+                        a0 = a0 * w0 + subgroupShuffleXor(a0, k) * w1;
+                        b0 = b0 * w0 + subgroupShuffleXor(b0, k) * w1;
+                    }
+                    case 1u: {
+                        a1 = a1 * w0 + subgroupShuffleXor(a1, k) * w1;
+                        b1 = b1 * w0 + subgroupShuffleXor(b1, k) * w1;
+                    }
+                    case 2u: {
+                        a2 = a2 * w0 + subgroupShuffleXor(a2, k) * w1;
+                        b2 = b2 * w0 + subgroupShuffleXor(b2, k) * w1;
+                    }
+                    case 3u: {
+                        a3 = a3 * w0 + subgroupShuffleXor(a3, k) * w1;
+                        b3 = b3 * w0 + subgroupShuffleXor(b3, k) * w1;
+                    }
+                    case 4u: {
+                        a4 = a4 * w0 + subgroupShuffleXor(a4, k) * w1;
+                        b4 = b4 * w0 + subgroupShuffleXor(b4, k) * w1;
+                    }
+                    case 5u: {
+                        a5 = a5 * w0 + subgroupShuffleXor(a5, k) * w1;
+                        b5 = b5 * w0 + subgroupShuffleXor(b5, k) * w1;
+                    }
+                    case 6u: {
+                        a6 = a6 * w0 + subgroupShuffleXor(a6, k) * w1;
+                        b6 = b6 * w0 + subgroupShuffleXor(b6, k) * w1;
+                    }
+                    default: {
+                        a7 = a7 * w0 + subgroupShuffleXor(a7, k) * w1;
+                        b7 = b7 * w0 + subgroupShuffleXor(b7, k) * w1;
+                    }
+                }
+            }
+        }
+        // 2. the subgroups (NSG = WG / GW of them), in subgroup order, through workgroup memory;
+        //    the first group of each subgroup speaks for it
         let prow = prow0 + e * ng;
-        if (NGRP == 1u) {
-            if (r == slot_lane(hs) && hs < ng) {
+        let sg = tid / GW;
+        let lead = (tid % GW) < R;
+        if (NSG == 1u) {
+            if (grp == 0u && r == slot_lane(hs) && hs < ng) {
                 ml_out[prow + hs] = select(vec2<f32>(m, l), vec2<f32>(nan), broken);
             }
         } else {
-            if (r == slot_lane(hs)) {
-                gm[grp * 8u + hs] = m;
-                gl[grp * 8u + hs] = l;
+            if (lead && r == slot_lane(hs)) {
+                gm[sg * 8u + hs] = m;
+                gl[sg * 8u + hs] = l;
             }
             workgroupBarrier();
-            // this group's weight for every head slot; group 0 also forms (M, L)
+            // this subgroup's weight for every head slot; subgroup 0 also forms (M, L)
             var wl = vec4<f32>(0.0);
             var wh = vec4<f32>(0.0);
             for (var h = 0u; h < 8u; h++) {
                 var mx = 0.0;
                 var seen = false;
-                for (var g = 0u; g < NGRP; g++) {
+                for (var g = 0u; g < NSG; g++) {
                     if (!(gl[g * 8u + h] == 0.0)) {
                         mx = select(gm[g * 8u + h], max(mx, gm[g * 8u + h]), seen);
                         seen = true;
                     }
                 }
                 var w = 0.0;
-                if (!(gl[grp * 8u + h] == 0.0)) {
-                    w = exp(gm[grp * 8u + h] - mx);
+                if (!(gl[sg * 8u + h] == 0.0)) {
+                    w = exp(gm[sg * 8u + h] - mx);
                 }
                 if (h < 4u) { wl[h] = w; } else { wh[h - 4u] = w; }
-                if (grp == 0u && r == 0u && h < ng) {
+                if (tid == 0u && h < ng) {
                     var lsum = 0.0;
-                    for (var g = 0u; g < NGRP; g++) {
+                    for (var g = 0u; g < NSG; g++) {
                         if (!(gl[g * 8u + h] == 0.0)) {
                             lsum += exp(gm[g * 8u + h] - mx) * gl[g * 8u + h];
                         }
@@ -463,9 +562,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             a5 *= wh.y; b5 *= wh.y;
             a6 *= wh.z; b6 *= wh.z;
             a7 *= wh.w; b7 *= wh.w;
-            if (grp > 0u && r < TE) {
+            if (sg > 0u && lead && r < TE) {
                 for (var h = 0u; h < 8u; h++) {
-                    let ob = ((grp - 1u) * 8u + h) * TD + jo;
+                    let ob = ((sg - 1u) * 8u + h) * TD + jo;
                     obuf[ob] = pick(h, a0, a1, a2, a3, a4, a5, a6, a7);
                     if (EU == 8u) {
                         obuf[ob + 1u] = pick(h, b0, b1, b2, b3, b4, b5, b6, b7);
@@ -474,7 +573,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             workgroupBarrier();
             if (grp == 0u && r < TE) {
-                for (var g = 1u; g < NGRP; g++) {
+                for (var g = 1u; g < NSG; g++) {
                     let gb = (g - 1u) * 8u * TD + jo;
                     a0 += obuf[gb];
                     a1 += obuf[gb + TD];

@@ -239,19 +239,22 @@ def test_profile_forward_kernel_override_times_both_kernels(WgpuBackend):
         be.profile_forward(p, idx, repeat=1, kernel="fast")
 
 
+@pytest.mark.parametrize("pf", [False, True])
 @pytest.mark.parametrize("wg", [8, 32, 128])
 @pytest.mark.parametrize("D,dtype", [(32, np.float32), (64, np.float16), (8, np.float16)])
-def test_R9_R14_R19_decode_kernel_key_groups_merge(WgpuBackend, wg, D, dtype):
+def test_R9_R14_R19_decode_kernel_key_groups_merge(WgpuBackend, wg, D, dtype, pf):
     """One to many key groups per workgroup (WG / R): the groups' (m, l, o) are merged by their
-    log-sum-exp weights; every split matches the reference and is deterministic."""
+    log-sum-exp weights; every split matches the reference and is deterministic, with and
+    without the next chunk's loads in flight."""
     be = WgpuBackend(partials_kernel="decode")
     be._decode_wg = wg
+    be._decode_pf = pf
     pb = make_problem(31 + wg + D, seqlens_q=(1, 1, 1), G=8, D=D, page_size=8, ppb=4, msb=4, dtype=dtype,
                       used=[128, 77, 5], hole_prob=0.2)
     assert _index(pb).num_edges > 0
     out, lse = _check(pb, be)
     g = be.last_timings["geometry"]
-    assert g.WG >= wg and g.WG % g.R == 0
+    assert g.WG >= wg and g.WG % g.R == 0 and g.PF == int(pf)
     again, lse2 = psa.forward(*pb.args, **pb.kwargs, backend=be, return_lse=True)
     assert out.tobytes() == again.tobytes() and lse.tobytes() == lse2.tobytes()
 
@@ -271,3 +274,32 @@ def test_R18_without_the_subgroup_feature_decode_is_refused_and_auto_runs_generi
     with pytest.raises(UnsupportedError, match="decode.*lacks the subgroup feature"):
         psa.forward(*pb.args, **pb.kwargs, backend=forced)
     _check(pb, WgpuBackend(required_limits="default", disable_features=("subgroup",)), GENERIC)
+
+
+def test_decode_kernel_with_subgroups_wider_than_a_key_group(WgpuBackend):
+    """Key groups narrower than a subgroup are merged with shuffles inside the subgroup (R < SG).
+    NVIDIA (32 lanes) runs that path in the tests above; lavapipe's subgroups are 8 lanes, as
+    narrow as a key group, so there the grid is run again in a process where llvmpipe uses
+    512-bit vectors (Mesa's LP_NATIVE_VECTOR_WIDTH): 16-lane subgroups."""
+    import os
+    import subprocess
+    import sys
+
+    from paged_sparse_attn.backends.wgpu._device import subgroup_size
+
+    be = WgpuBackend(required_limits="default")
+    size, _ = subgroup_size(be._device())
+    if "llvmpipe" not in be._device().summary:
+        assert size is not None and size > 8  # this device's own run covers R < SG
+        return
+    env = {**os.environ, "LP_NATIVE_VECTOR_WIDTH": "512"}
+    probe = subprocess.run([sys.executable, "-c", (
+        "from paged_sparse_attn.backends.wgpu import WgpuBackend;"
+        "from paged_sparse_attn.backends.wgpu._device import subgroup_size;"
+        "print(subgroup_size(WgpuBackend()._device())[0])")], env=env, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0 and probe.stdout.strip().splitlines()[-1] == "16", probe.stdout + probe.stderr
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "matches_numpy or key_groups or more_pages or deterministic or tiles"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout

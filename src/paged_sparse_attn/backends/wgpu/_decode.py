@@ -22,9 +22,12 @@ GENERIC = "psa_partials.wgsl"
 DECODE = "psa_partials_decode.wgsl"
 KERNELS = {"generic": GENERIC, "decode": DECODE}
 MAX_NG = 8           # the kernel keeps 8 head slots in registers (larger G: items of 8 heads)
-DECODE_GROUPS = 2    # key groups per workgroup by default: the fastest of 1, 2, 4 on the H200 (f16 and f32)
 CHUNK = 4            # keys per chunk of a key group (the kernel's loads in flight per lane)
 MIN_LANES = 8        # a key group reduce-scatters 8 head slots: at least 8 lanes
+# the next chunk's loads in flight during a chunk (PF = 1), by cache itemsize: on the H200 it made
+# float16 faster (74 against 84 us) and float32 slower (92-98 against 85 us: more registers per
+# lane, fewer resident warps)
+DECODE_PREFETCH = {2: 1, 4: 0}
 MAX_HEAD_DIM = 256
 
 
@@ -41,6 +44,8 @@ class DecodeGeometry(Geometry):
 
     kernel: str = DECODE
     R: int = 16
+    SG: int = 32
+    PF: int = 1
 
     @property
     def EU(self) -> int:
@@ -56,22 +61,23 @@ class DecodeGeometry(Geometry):
 
     @property
     def workgroup_bytes(self) -> int:
-        return decode_workgroup_bytes(self.D, self.R, self.WG)
+        return decode_workgroup_bytes(self.D, self.WG, self.SG)
 
     def constants(self) -> dict[str, int]:
         return {"D": self.D, "S": self.S, "NG": self.RMAX, "WG": self.WG, "TD": self.TD, "EU": self.EU,
-                "R": self.R}
+                "R": self.R, "SG": self.SG, "PF": self.PF}
 
 
-def decode_workgroup_bytes(D: int, R: int, WG: int) -> int:
-    """Workgroup memory of psa_partials_decode.wgsl for these constants (arrays rounded to 16 B)."""
+def decode_workgroup_bytes(D: int, WG: int, SG: int) -> int:
+    """Workgroup memory of psa_partials_decode.wgsl for these constants (arrays rounded to 16 B):
+    the merge of its ``WG / min(SG, WG)`` subgroups (none for one)."""
     TD = -(-D // 4)
-    ngrp = WG // R
+    nsg = WG // min(SG, WG)
 
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    return 2 * a(8 * ngrp * 4) + a(max(1, (ngrp - 1) * 8 * TD) * 16)
+    return 2 * a(8 * nsg * 4) + a(max(1, (nsg - 1) * 8 * TD) * 16)
 
 
 def decode_ineligible(*, D: int, max_slot_edges: int, wg_limit: int, kv_itemsize: int = 4,
@@ -103,29 +109,33 @@ def _pow2_at_least(n: int) -> int:
 
 
 def choose_decode_geometry(*, D: int, S: int, G: int, block_size: int, kv_itemsize: int, wg_storage: int,
-                           wg_limit: int, subgroup_size: int, wg_size: int | None = None) -> DecodeGeometry:
+                           wg_limit: int, subgroup_size: int, wg_size: int | None = None,
+                           prefetch: bool | None = None) -> DecodeGeometry:
     """Decode geometry that fits the workgroup memory (wgpu does not check it).
 
     NG is G, at most 8 (larger G is split into items of at most 8 heads by the planner). R is
     the lanes per key group (:func:`decode_lanes`). The workgroup size is a power of two, a
-    multiple of the subgroup size and of R: ``wg_size`` rounded so (default: ``DECODE_GROUPS``
-    key groups, or one subgroup if larger), halved while the group-merge buffer does not fit
-    the workgroup memory.
+    multiple of the subgroup size and of R: ``wg_size`` rounded so (default: one subgroup, or R
+    lanes if more; on the H200 32 invocations were the fastest of 32, 64 and 128 for both
+    dtypes), halved while the merge buffer of its subgroups does not fit the workgroup memory. ``prefetch`` (default ``DECODE_PREFETCH`` by itemsize): the
+    next chunk's loads in flight during a chunk.
     """
     TD = -(-D // 4)
     _, R = decode_lanes(D, kv_itemsize)
+    pf = int(DECODE_PREFETCH.get(kv_itemsize, 1) if prefetch is None else bool(prefetch))
     floor = max(R, _pow2_at_least(subgroup_size))
-    wg = _pow2_at_least(max(wg_size or DECODE_GROUPS * R, floor))
+    wg = _pow2_at_least(max(wg_size or floor, floor))
     if wg > wg_limit:
         wg = floor
     if wg > wg_limit:
         raise UnsupportedError(f"backend 'wgpu': the decode kernel needs a workgroup of {wg} invocations, the "
                                f"device allows {wg_limit} [R18]")
-    while decode_workgroup_bytes(D, R, wg) > wg_storage:
+    while decode_workgroup_bytes(D, wg, subgroup_size) > wg_storage:
         if wg // 2 < floor:
             raise UnsupportedError(
-                f"backend 'wgpu': the decode kernel for head_dim {D} needs {decode_workgroup_bytes(D, R, wg)} "
-                f"bytes of workgroup memory, the device allows {wg_storage} [R18]")
+                f"backend 'wgpu': the decode kernel for head_dim {D} needs "
+                f"{decode_workgroup_bytes(D, wg, subgroup_size)} bytes of workgroup memory, the device allows "
+                f"{wg_storage} [R18]")
         wg //= 2
     return DecodeGeometry(D=D, S=S, G=G, TK=CHUNK, RMAX=min(MAX_NG, G), WG=wg, TD=TD, kv_itemsize=kv_itemsize,
-                          R=R)
+                          R=R, SG=int(subgroup_size), PF=pf)

@@ -169,6 +169,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
         self._wg = wg  # None: chosen per call (_shape)
         self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
         self._decode_wg: int | None = None  # decode kernel workgroup size, for tuning experiments
+        self._decode_pf: bool | None = None  # decode kernel prefetch (None: by dtype), for tuning experiments
         self._profiling = False  # profile_forward: timestamps on every pass
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call
         self._runtime_checks = bool(runtime_checks)  # False: TRUSTED_KERNELS compiled without them
@@ -701,7 +702,8 @@ class WgpuBackend(IndexBranchMixin, Backend):
         every step); refusals are not kept.
         """
         index = view.index
-        key = (self._kernel_override or self._kernel, self._wg, self._decode_wg, tuple(sorted(self._tune.items())),
+        key = (self._kernel_override or self._kernel, self._wg, self._decode_wg, self._decode_pf,
+               tuple(sorted(self._tune.items())),
                D, G, itemsize,
                index.page_size, index.block_size, view.max_slot_edges)
         cache = ctx.geometries
@@ -722,7 +724,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
                     return choose_decode_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
                                                   kv_itemsize=itemsize, wg_storage=ctx.workgroup_storage,
                                                   wg_limit=ctx.max_invocations, subgroup_size=subgroup_size(ctx)[0],
-                                                  wg_size=self._decode_wg or self._wg)
+                                                  wg_size=self._decode_wg or self._wg, prefetch=self._decode_pf)
                 except UnsupportedError as exc:
                     why = str(exc)
             if want == "decode":
