@@ -12,7 +12,7 @@ from typing import Any, Iterator, Mapping
 
 from ...errors import DeviceError
 
-__all__ = ["subgroup_size", 
+__all__ = [
     "WEBGPU_DEFAULT_LIMITS",
     "INSTALL_HINT",
     "DRIVER_HINT",
@@ -22,6 +22,7 @@ __all__ = ["subgroup_size",
     "open_device",
     "request_adapter",
     "device_errors",
+    "subgroup_size",
 ]
 
 INSTALL_HINT = "wgpu is not installed: pip install paged_sparse_attn[wgpu]"

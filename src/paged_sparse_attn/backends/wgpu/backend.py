@@ -48,9 +48,9 @@ __all__ = ["WgpuBackend", "WgpuArray"]
 PARTIALS = "psa_partials.wgsl"
 MERGE = "psa_merge.wgsl"
 MERGE_WG = 64
+UNIT_KERNELS = frozenset({"psa_partials_decode.wgsl"})  # caches bound as vec4<u32>, one text for all dtypes
 # Kernels whose every index the host proves in range (validated index, planner-built records):
 # the only ones that may be compiled without runtime checks.
-UNIT_KERNELS = frozenset({"psa_partials_decode.wgsl"})  # caches bound as vec4<u32>, one text for all dtypes
 TRUSTED_KERNELS = frozenset({"psa_partials.wgsl", "psa_partials_decode.wgsl", "psa_merge.wgsl"})
 PARAM_BYTES = 32
 AUTO_REPLAY_BUSY_S = 0.05  # profile_forward(replay="auto"): GPU time per call to aim for
@@ -238,6 +238,8 @@ class WgpuBackend(IndexBranchMixin, Backend):
             limits = dict(ctx.limits)
             limits["effective_storage_binding_size"] = ctx.binding_size
             limits["effective_workgroups_per_dimension"] = ctx.workgroups_per_dim
+            if ctx.subgroup and ctx.subgroup[0]:
+                limits["measured_subgroup_size"] = ctx.subgroup[0]  # what the decode kernel relies on
             self._caps = Capabilities(
                 dtypes=("float32", "float16") if f16 else ("float32",),
                 max_head_dim=256,
