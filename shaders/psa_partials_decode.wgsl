@@ -103,6 +103,11 @@ fn locate(pages: u32, pos: u32, len: u32) -> u32 {
     if (slab == INVALID) {
         return INVALID;
     }
+    return row_of(slab, pos);
+}
+
+// unit index of block position `pos` on slab `slab`
+fn row_of(slab: u32, pos: u32) -> u32 {
     return slab * (params.slab_stride * 4u / EU) + (pos % S) * TE;
 }
 
@@ -116,7 +121,7 @@ fn locate4(pages: u32, k0: u32, len: u32, pg: u32, base: u32, pages_in_lanes: bo
             let pos = k0 + i;
             let slab = subgroupShuffle(pg, base + min(pos / S, R - 1u));
             if (pos < len && slab != INVALID) {
-                rows[i] = slab * (params.slab_stride * 4u / EU) + (pos % S) * TE;
+                rows[i] = row_of(slab, pos);
             }
         }
     } else {
@@ -125,6 +130,26 @@ fn locate4(pages: u32, k0: u32, len: u32, pg: u32, base: u32, pages_in_lanes: bo
         }
     }
     return rows;
+}
+
+// a chunk: the rows of 4 keys and this lane's unit of their K and V rows
+struct Chunk {
+    rows: vec4<u32>,
+    k0: vec4<u32>,
+    k1: vec4<u32>,
+    k2: vec4<u32>,
+    k3: vec4<u32>,
+    v0: vec4<u32>,
+    v1: vec4<u32>,
+    v2: vec4<u32>,
+    v3: vec4<u32>,
+}
+
+// the chunk of keys k0 .. k0 + 3, its 8 loads issued together
+fn load_chunk(pages: u32, k0: u32, len: u32, pg: u32, base: u32, pages_in_lanes: bool, r: u32) -> Chunk {
+    let rows = locate4(pages, k0, len, pg, base, pages_in_lanes);
+    return Chunk(rows, kunit(rows.x, r), kunit(rows.y, r), kunit(rows.z, r), kunit(rows.w, r),
+                 vunit(rows.x, r), vunit(rows.y, r), vunit(rows.z, r), vunit(rows.w, r));
 }
 
 // unit r of a row (zeros for a masked row or past the row's TE units)
@@ -183,6 +208,11 @@ fn reduce8(lo: vec4<f32>, hi: vec4<f32>, r: u32) -> f32 {
         w += subgroupShuffleXor(w, msk);
     }
     return w;
+}
+
+// x w0 + (the partner's x) w1: one accumulator of a key-group pair at lane distance k
+fn pair_sum(x: vec4<f32>, w0: f32, w1: f32, k: u32) -> vec4<f32> {
+    return x * w0 + subgroupShuffleXor(x, k) * w1;
 }
 
 // the lane of a group that holds head slot h after reduce8
@@ -302,77 +332,36 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             pg = plan[pages + r];
         }
         let step = NGRP * 4u;
-        // PF = 1: chunk 0's rows and loads here; in the loop the next chunk's loads are issued
-        // before the current chunk's math (two chunks in flight per lane). PF = 0: each chunk's
-        // loads at the top of its iteration (half the registers for loads)
-        var nrow = vec4<u32>(INVALID);
-        var nk0 = vec4<u32>(0u);
-        var nk1 = vec4<u32>(0u);
-        var nk2 = vec4<u32>(0u);
-        var nk3 = vec4<u32>(0u);
-        var nv0 = vec4<u32>(0u);
-        var nv1 = vec4<u32>(0u);
-        var nv2 = vec4<u32>(0u);
-        var nv3 = vec4<u32>(0u);
-        var kn = select(0u, grp * 4u, PF == 0u);  // first key of the chunk to load next
+        // PF = 1: chunk 0's loads here; in the loop the next chunk's loads are issued before the
+        // current chunk's math (two chunks in flight per lane). PF = 0: each chunk's loads at
+        // the top of its iteration (half the registers for loads)
+        var kn = grp * 4u;  // first key of the chunk to load next
+        var next: Chunk;
         if (PF == 1u) {
-            nrow = locate4(pages, grp * 4u, len, pg, base, pages_in_lanes);
-            nk0 = kunit(nrow.x, r);
-            nk1 = kunit(nrow.y, r);
-            nk2 = kunit(nrow.z, r);
-            nk3 = kunit(nrow.w, r);
-            nv0 = vunit(nrow.x, r);
-            nv1 = vunit(nrow.y, r);
-            nv2 = vunit(nrow.z, r);
-            nv3 = vunit(nrow.w, r);
-            kn = grp * 4u + step;
+            next = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
+            kn += step;
         }
         for (var kb = 0u; kb < len; kb += step) {
+            var c = next;
             if (PF == 0u) {
-                nrow = locate4(pages, kn, len, pg, base, pages_in_lanes);
-                nk0 = kunit(nrow.x, r);
-                nk1 = kunit(nrow.y, r);
-                nk2 = kunit(nrow.z, r);
-                nk3 = kunit(nrow.w, r);
-                nv0 = vunit(nrow.x, r);
-                nv1 = vunit(nrow.y, r);
-                nv2 = vunit(nrow.z, r);
-                nv3 = vunit(nrow.w, r);
-                kn += step;
+                c = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
+            } else {
+                next = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
             }
-            let row0 = nrow.x;
-            let row1 = nrow.y;
-            let row2 = nrow.z;
-            let row3 = nrow.w;
-            let kv0 = nk0;
-            let kv1 = nk1;
-            let kv2 = nk2;
-            let kv3 = nk3;
-            let vv0 = nv0;
-            let vv1 = nv1;
-            let vv2 = nv2;
-            let vv3 = nv3;
-            if (PF == 1u) {
-                nrow = locate4(pages, kn, len, pg, base, pages_in_lanes);
-                nk0 = kunit(nrow.x, r);
-                nk1 = kunit(nrow.y, r);
-                nk2 = kunit(nrow.z, r);
-                nk3 = kunit(nrow.w, r);
-                nv0 = vunit(nrow.x, r);
-                nv1 = vunit(nrow.y, r);
-                nv2 = vunit(nrow.z, r);
-                nv3 = vunit(nrow.w, r);
-                kn += step;
-            }
+            kn += step;
+            let row0 = c.rows.x;
+            let row1 = c.rows.y;
+            let row2 = c.rows.z;
+            let row3 = c.rows.w;
 
             // scores of head slot hs for the 4 keys
             var s = vec4<f32>(0.0);
             for (var i = 0u; i < 4u; i++) {
-                var kk = kv0;
+                var kk = c.k0;
                 switch i {
-                    case 1u: { kk = kv1; }
-                    case 2u: { kk = kv2; }
-                    case 3u: { kk = kv3; }
+                    case 1u: { kk = c.k1; }
+                    case 2u: { kk = c.k2; }
+                    case 3u: { kk = c.k3; }
                     default: {}
                 }
                 let x = lo4(kk);
@@ -420,14 +409,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
 
             // o_h = o_h alpha_h + sum_i p_hi v_i, alpha and p of head h from its slot lane
-            let x0 = lo4(vv0);
-            let x1 = lo4(vv1);
-            let x2 = lo4(vv2);
-            let x3 = lo4(vv3);
-            let y0 = hi4(vv0);
-            let y1 = hi4(vv1);
-            let y2 = hi4(vv2);
-            let y3 = hi4(vv3);
+            let x0 = lo4(c.v0);
+            let x1 = lo4(c.v1);
+            let x2 = lo4(c.v2);
+            let x3 = lo4(c.v3);
+            let y0 = hi4(c.v0);
+            let y1 = hi4(c.v1);
+            let y2 = hi4(c.v2);
+            let y3 = hi4(c.v3);
             for (var h = 0u; h < NG; h++) {
                 let src = base + slot_lane(h);
                 let ph = subgroupShuffle(p, src);
@@ -477,38 +466,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let w0 = subgroupShuffle(wo, src);
                 let w1 = subgroupShuffle(wt, src);
                 switch h {
-                    case 0u: {
-                        a0 = a0 * w0 + subgroupShuffleXor(a0, k) * w1;
-                        b0 = b0 * w0 + subgroupShuffleXor(b0, k) * w1;
-                    }
-                    case 1u: {
-                        a1 = a1 * w0 + subgroupShuffleXor(a1, k) * w1;
-                        b1 = b1 * w0 + subgroupShuffleXor(b1, k) * w1;
-                    }
-                    case 2u: {
-                        a2 = a2 * w0 + subgroupShuffleXor(a2, k) * w1;
-                        b2 = b2 * w0 + subgroupShuffleXor(b2, k) * w1;
-                    }
-                    case 3u: {
-                        a3 = a3 * w0 + subgroupShuffleXor(a3, k) * w1;
-                        b3 = b3 * w0 + subgroupShuffleXor(b3, k) * w1;
-                    }
-                    case 4u: {
-                        a4 = a4 * w0 + subgroupShuffleXor(a4, k) * w1;
-                        b4 = b4 * w0 + subgroupShuffleXor(b4, k) * w1;
-                    }
-                    case 5u: {
-                        a5 = a5 * w0 + subgroupShuffleXor(a5, k) * w1;
-                        b5 = b5 * w0 + subgroupShuffleXor(b5, k) * w1;
-                    }
-                    case 6u: {
-                        a6 = a6 * w0 + subgroupShuffleXor(a6, k) * w1;
-                        b6 = b6 * w0 + subgroupShuffleXor(b6, k) * w1;
-                    }
-                    default: {
-                        a7 = a7 * w0 + subgroupShuffleXor(a7, k) * w1;
-                        b7 = b7 * w0 + subgroupShuffleXor(b7, k) * w1;
-                    }
+                    case 0u: { a0 = pair_sum(a0, w0, w1, k); b0 = pair_sum(b0, w0, w1, k); }
+                    case 1u: { a1 = pair_sum(a1, w0, w1, k); b1 = pair_sum(b1, w0, w1, k); }
+                    case 2u: { a2 = pair_sum(a2, w0, w1, k); b2 = pair_sum(b2, w0, w1, k); }
+                    case 3u: { a3 = pair_sum(a3, w0, w1, k); b3 = pair_sum(b3, w0, w1, k); }
+                    case 4u: { a4 = pair_sum(a4, w0, w1, k); b4 = pair_sum(b4, w0, w1, k); }
+                    case 5u: { a5 = pair_sum(a5, w0, w1, k); b5 = pair_sum(b5, w0, w1, k); }
+                    case 6u: { a6 = pair_sum(a6, w0, w1, k); b6 = pair_sum(b6, w0, w1, k); }
+                    default: { a7 = pair_sum(a7, w0, w1, k); b7 = pair_sum(b7, w0, w1, k); }
                 }
             }
         }

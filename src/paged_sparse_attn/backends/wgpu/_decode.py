@@ -108,7 +108,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def choose_decode_geometry(*, D: int, S: int, G: int, block_size: int, kv_itemsize: int, wg_storage: int,
+def choose_decode_geometry(*, D: int, S: int, G: int, kv_itemsize: int, wg_storage: int,
                            wg_limit: int, subgroup_size: int, wg_size: int | None = None,
                            prefetch: bool | None = None) -> DecodeGeometry:
     """Decode geometry that fits the workgroup memory (wgpu does not check it).

@@ -141,7 +141,7 @@ class DeviceContext:
     bind_groups: dict = field(default_factory=lambda: PipelineCache(MAX_BIND_GROUPS))  # see _transfer.bind_group
     geometries: dict = field(default_factory=lambda: PipelineCache(MAX_PIPELINES))  # kernel geometries by call shape
     ns_per_tick: float = 1.0  # timestamp period: resolved query values are ticks of this many ns
-    subgroup: tuple | None = None  # (size or None, why not): measured once, see subgroup_size()
+    subgroup: tuple = (None, "the subgroup size was not measured")  # (size or None, why not): open_device
 
 
 SUBGROUP_PROBE = "psa_subgroup_size.wgsl"
@@ -156,8 +156,6 @@ def subgroup_size(ctx: DeviceContext) -> tuple[int | None, str]:
     ``psa_subgroup_size.wgsl`` (one workgroup of 64) and accepts a size only when every
     invocation reports it and lane == invocation index mod size (groups of consecutive lanes).
     """
-    if ctx.subgroup is None:
-        ctx.subgroup = _measure_subgroup(ctx)
     return ctx.subgroup
 
 

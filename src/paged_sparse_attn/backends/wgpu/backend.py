@@ -238,8 +238,8 @@ class WgpuBackend(IndexBranchMixin, Backend):
             limits = dict(ctx.limits)
             limits["effective_storage_binding_size"] = ctx.binding_size
             limits["effective_workgroups_per_dimension"] = ctx.workgroups_per_dim
-            if ctx.subgroup and ctx.subgroup[0]:
-                limits["measured_subgroup_size"] = ctx.subgroup[0]  # what the decode kernel relies on
+            if subgroup_size(ctx)[0]:
+                limits["measured_subgroup_size"] = subgroup_size(ctx)[0]  # what the decode kernel relies on
             self._caps = Capabilities(
                 dtypes=("float32", "float16") if f16 else ("float32",),
                 max_head_dim=256,
@@ -719,13 +719,14 @@ class WgpuBackend(IndexBranchMixin, Backend):
         index = view.index
         want = self._kernel_override or self._kernel
         if want != "generic":
+            sg = subgroup_size(ctx)
             why = decode_ineligible(D=D, max_slot_edges=view.max_slot_edges, wg_limit=ctx.max_invocations,
-                                    kv_itemsize=itemsize, subgroup=subgroup_size(ctx))
+                                    kv_itemsize=itemsize, subgroup=sg)
             if why is None:
                 try:
-                    return choose_decode_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
+                    return choose_decode_geometry(D=D, S=index.page_size, G=G,
                                                   kv_itemsize=itemsize, wg_storage=ctx.workgroup_storage,
-                                                  wg_limit=ctx.max_invocations, subgroup_size=subgroup_size(ctx)[0],
+                                                  wg_limit=ctx.max_invocations, subgroup_size=sg[0],
                                                   wg_size=self._decode_wg or self._wg, prefetch=self._decode_pf)
                 except UnsupportedError as exc:
                     why = str(exc)
