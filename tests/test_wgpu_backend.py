@@ -330,6 +330,50 @@ def test_binding_split_and_batches_match_the_reference(be_split, dtype):
     assert_close_to_reference(out, ref, dtype)
 
 
+def test_planner_unique_helpers_equal_numpy_unique():
+    """The planner's sort-based unique (numpy 2's hash-based np.unique was 12 times slower on a
+    decode step's keys) returns what np.unique returns, inverse included."""
+    from paged_sparse_attn.backends.wgpu._plan import unique_inverse, unique_sorted
+
+    rng = np.random.default_rng(5)
+    for n, hi in [(0, 1), (1, 3), (7, 2), (4096, 4096), (5000, 10**12)]:
+        a = rng.integers(-hi, hi, size=n, dtype=np.int64)
+        u, inv = np.unique(a, return_inverse=True)
+        np.testing.assert_array_equal(unique_sorted(a), u)
+        u2, inv2 = unique_inverse(a)
+        np.testing.assert_array_equal(u2, u)
+        np.testing.assert_array_equal(inv2, inv.reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_one_batch_bound_with_several_chunks_is_conservative(be_split, dtype):
+    """With several cache chunks the planner takes one batch without per-row costs when a closed
+    bound (every edge split into min(chunks, pages per block) pieces) fits; the plans it makes
+    then are those of the per-row path, whose exact costs fit as well."""
+    from paged_sparse_attn.backends.wgpu import _plan
+
+    pb = make_problem(22, seqlens_q=(1,) * 6, Hkv=2, G=2, D=16, page_size=2, ppb=3, msb=4, dtype=dtype,
+                      used="random")
+    k_dev, v_dev = be_split.upload_kv_cache(pb.k_cache, pb.v_cache)
+    smap = k_dev.layout.slab_map()
+    assert smap.n_chunks >= 2
+    view = _plan.IndexView(index_of(pb), 2)
+    geom = _plan.choose_geometry(D=16, S=2, G=2, block_size=6, rows_needed=4, kv_itemsize=k_dev.dtype.itemsize,
+                                 wg_size=64, wg_storage=16384)
+    big = 1 << 30
+    caps = _plan._caps(geom, big)
+    n_rows = view.index.num_queries * view.Hkv
+    assert _plan._fits_one_batch(view, geom, smap.n_chunks, n_rows, *caps)
+    plans = _plan.plan_forward(view, geom, smap, big)
+    assert len(plans) == 1
+    # the exact per-row costs agree: one range
+    rprows, rplan = _plan._edge_costs(view, geom, smap, view.index.row_edges.astype(np.int64))
+    assert rprows.sum() <= caps[0] and rplan.sum() <= caps[1]
+    assert plans[0].n_prows <= rprows.sum()
+    out = psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.kwargs, backend=be_split)
+    assert_close_to_reference(out, psa.dense_reference(*pb.args, **pb.kwargs)[0], dtype)
+
+
 def test_dispatch_grids_split_past_the_workgroup_limit():
     from paged_sparse_attn.backends.wgpu._plan import grid_dispatches
 

@@ -20,7 +20,7 @@ from ..._types import DeviceArray
 from ...errors import DeviceError, UnsupportedError
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._device import device_errors
-from ._plan import grid_dispatches
+from ._plan import grid_dispatches, unique_sorted
 from ._shaders import shader_source
 
 __all__ = ["IndexBranchMixin", "decode_score_keys"]
@@ -243,7 +243,7 @@ class IndexBranchMixin:
             layout = ik.layout
             dslab = gslab
         else:
-            needed = np.unique(gslab)
+            needed = unique_sorted(gslab.reshape(-1))
             layout = CacheLayout.make(ik.shape, ik.dtype, ctx.binding_size, slab_ids=needed)
             dslab = np.searchsorted(needed, gslab)
         starts = layout.chunk_starts
