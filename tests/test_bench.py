@@ -62,6 +62,20 @@ def test_gpu_suite_quick_runs_on_the_wgpu_backend(tmp_path):
         assert row["wgpu_s"] > 0 and row["wgpu_e2e_s"] > 0
         assert row["wgpu_floor_ratio"] == pytest.approx(row["floor_s"] / row["wgpu_s"])
     assert (tmp_path / "gpu.png").stat().st_size > 1000
+    for row in res["rows"]:  # the call's kernels as forward() encodes them, one timed pass each
+        assert row["wgpu_call_s"] > 0
+        assert row["wgpu_call_floor_ratio"] == pytest.approx(row["floor_s"] / row["wgpu_call_s"])
+
+
+def test_gpu_suite_runs_only_the_workloads_named(tmp_path):
+    path = tmp_path / "gpu.json"
+    assert bench.main(["--suite", "gpu", "--quick", "--backend", "wgpu", "--repeat", "1",
+                       "--workload", "decode-quick", "--json", str(path)]) == 0
+    assert [r["workload"] for r in json.loads(path.read_text())["rows"]] == ["decode-quick"]
+    with pytest.raises(ValueError, match="unknown workload.*decode-quick"):
+        bench.run("gpu", quick=True, backends=["wgpu"], repeat=1, workloads=["decode-fast"])
+    with pytest.raises(SystemExit):
+        bench.main(["--suite", "cpu", "--workload", "decode-quick"])
 
 
 def test_index_suite_quick_runs_every_backend(tmp_path):

@@ -59,6 +59,8 @@ def test_profile_forward_replay_times_each_replay_and_keeps_results(WgpuBackend)
         for part, comb, total in per:
             assert part > 0 and comb > 0 and total >= part + comb - 1e-9
         assert prof["total_s"] == pytest.approx(float(np.median([t for t, _, _ in prof["samples"]])))
+        # the same calls in one pass (as forward() encodes them), timed around it, per replay
+        assert prof["call_s"] > 0
     auto = be.profile_forward(p, idx, repeat=1, replay="auto")
     assert auto["replay"] >= 10  # at least 10 replays, more when one replay is short
     out = be.forward(p, idx)[0]
@@ -134,3 +136,4 @@ def test_ceilings_and_profiling_without_timestamps_use_the_wall_clock(WgpuBacken
     p, idx = _problem_and_index(args, kd, vd)
     prof = be.profile_forward(p, idx, repeat=2, replay=3)
     assert prof["timer"] == "wall" and prof["total_s"] > 0 and prof["replay"] == 3
+    assert prof["call_s"] is None  # no timestamps: no one-pass GPU time

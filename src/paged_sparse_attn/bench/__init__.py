@@ -42,8 +42,12 @@ def _progress() -> tuple[Callable[[str], None], Callable[[], None]]:
 
 def run(suite: str = "cpu", *, quick: bool = False, backends: Sequence[str] | None = None,
         repeat: int | None = None, progress: Callable[[str], None] | None = None,
-        on_row: Callable[[dict], None] | None = None) -> dict:
-    """Run a suite and return a JSON-ready dict (see the module docstring)."""
+        on_row: Callable[[dict], None] | None = None, workloads: Sequence[str] | None = None) -> dict:
+    """Run a suite and return a JSON-ready dict (see the module docstring).
+
+    ``workloads``: names of the GPU suite's workloads to run (default: all of the suite); an
+    unknown name raises ``ValueError`` listing the known ones.
+    """
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), python=platform.python_version(),
                 machine=platform.machine(), suite=suite, quick=quick)
     if suite == "cpu":
@@ -52,9 +56,16 @@ def run(suite: str = "cpu", *, quick: bool = False, backends: Sequence[str] | No
         res = run_cpu(QUICK_CPU_WORKLOADS if quick else CPU_WORKLOADS, repeat=repeat or (1 if quick else 5),
                       progress=progress)
     elif suite == "gpu":
-        from .gpu import run_gpu
+        from .gpu import GPU_WORKLOADS, QUICK_GPU_WORKLOADS, run_gpu
 
-        res = run_gpu(quick=quick, backends=backends, repeat=repeat, progress=progress,
+        wls = None
+        if workloads:
+            known = {w.name: w for w in (*GPU_WORKLOADS, *QUICK_GPU_WORKLOADS)}
+            bad = [n for n in workloads if n not in known]
+            if bad:
+                raise ValueError(f"bench: unknown workload(s) {bad}; the gpu suite has {sorted(known)}")
+            wls = [known[n] for n in workloads]
+        res = run_gpu(quick=quick, backends=backends, repeat=repeat, progress=progress, workloads=wls,
                       on_row=(lambda partial: on_row({**meta, **partial})) if on_row else None)
     elif suite == "index":
         from .index_branch import run_index
@@ -90,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes, one repeat (a smoke test)")
     ap.add_argument("--backend", action="append", help="device backends to run (default: every available)")
     ap.add_argument("--repeat", type=int, default=None)
+    ap.add_argument("--workload", action="append", metavar="NAME",
+                    help="gpu suite: run only this workload (repeatable; default: every workload)")
     ap.add_argument("--json", metavar="PATH", help="write the result as JSON")
     ap.add_argument("--plot", metavar="PATH", help="draw a PNG plot (matplotlib)")
     a = ap.parse_args(argv)
@@ -101,7 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dump(partial, f, indent=1)
 
     try:
-        result = run(a.suite, quick=a.quick, backends=a.backend, repeat=a.repeat, progress=say, on_row=save)
+        if a.workload and a.suite != "gpu":
+            ap.error("--workload applies to the gpu suite only")
+        result = run(a.suite, quick=a.quick, backends=a.backend, repeat=a.repeat, progress=say, on_row=save,
+                     workloads=a.workload)
     finally:
         stop()
     print(format_table(result))

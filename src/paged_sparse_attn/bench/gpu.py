@@ -165,6 +165,8 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             t = prof["total_s"]
             row[f"{be.name}_s"] = t
             row[f"{be.name}_partials_s"] = prof.get("partials_s")
+            # the call's GPU work as forward() encodes it: one pass, no timestamps between kernels
+            row[f"{be.name}_call_s"] = prof.get("call_s")
             row[f"{be.name}_combine_s"] = prof.get("combine_s")
             row[f"{be.name}_timer"] = prof.get("timer")
             row[f"{be.name}_GBps"] = needed / t / 1e9
@@ -173,6 +175,8 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
                 row[f"{be.name}_kernel"] = prof["kernel"]
             if bw:
                 row[f"{be.name}_floor_ratio"] = needed / bw / t
+                if prof.get("call_s"):
+                    row[f"{be.name}_call_floor_ratio"] = needed / bw / prof["call_s"]
             if w.Tq_per_seq == 1 and _takes_kernel(be):
                 # decode-like: also time the generic partials kernel, next to the automatic choice
                 say(f"{w.name}: {be.name} generic kernel")

@@ -171,6 +171,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
         self._decode_wg: int | None = None  # decode kernel workgroup size, for tuning experiments
         self._decode_pf: bool | None = None  # decode kernel prefetch (None: by dtype), for tuning experiments
         self._profiling = False  # profile_forward: timestamps on every pass
+        self._one_pass = False  # profile_forward: one timed pass for the whole call, as forward() encodes it
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call
         self._runtime_checks = bool(runtime_checks)  # False: TRUSTED_KERNELS compiled without them
 
@@ -560,7 +561,9 @@ class WgpuBackend(IndexBranchMixin, Backend):
         -------
         dict
             ``total_s`` (first pass start to last pass end), ``partials_s`` and ``combine_s``
-            (sums over their passes), ``wall_s`` (median host time of a whole call), ``repeat``,
+            (sums over their passes), ``call_s`` (the call's kernels in one compute pass, as
+            :meth:`forward` encodes them, timed around that pass: one pass per replay; median;
+            None without timestamps), ``wall_s`` (median host time of a whole call), ``repeat``,
             ``timer`` (``"timestamp-query"``, or ``"wall"`` when the device has no timestamps:
             then the three GPU times are the host time around submit and wait), ``kernel`` (the
             partials kernel that ran).
@@ -568,6 +571,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
         if kernel is not None and kernel not in ("auto", *KERNELS):
             raise ValueError(f"profile_forward(): kernel must be 'auto', 'generic' or 'decode', got {kernel!r}")
         runs = []
+        calls: list = []
         with self._lock:  # the flags below apply to this thread's calls only
             self._profiling = True
             self._kernel_override = kernel
@@ -581,6 +585,14 @@ class WgpuBackend(IndexBranchMixin, Backend):
                 t_warm = time.perf_counter()
                 while time.perf_counter() - t_warm < float(warmup_s):
                     self.forward(problem, index)
+                # the calls encoded as forward() encodes them (one pass, no timestamp between the
+                # kernels), a timed pass per replay; then a timed pass per kernel run
+                self._one_pass = True
+                for _ in range(int(repeat)):
+                    self.forward(problem, index)
+                    if "gpu_call_s" in self.last_timings:
+                        calls.append(self.last_timings["gpu_call_s"])
+                self._one_pass = False
                 for i in range(int(repeat) + 1):
                     t0 = time.perf_counter()
                     self.forward(problem, index)
@@ -588,6 +600,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
                     if i:
                         runs.append((dict(self.last_timings), wall))
             finally:
+                self._one_pass = False
                 self._profiling = False
                 self._kernel_override = None
                 self._replay = 1
@@ -601,7 +614,8 @@ class WgpuBackend(IndexBranchMixin, Backend):
             total = part = med([t.get("gpu_wait_s", 0.0) / t.get("replay", 1) for t, _ in runs])
             comb = 0.0
         samples = [(t.get("gpu_total_s"), t.get("gpu_partials_s"), t.get("gpu_merge_s")) for t, _ in runs]
-        return dict(total_s=total, partials_s=part, combine_s=comb, wall_s=med([w for _, w in runs]),
+        return dict(total_s=total, partials_s=part, combine_s=comb, call_s=med(calls) if calls else None,
+                    wall_s=med([w for _, w in runs]),
                     samples=samples,
                     repeat=len(runs), replay=runs[-1][0].get("replay", 1) if runs else 1,
                     timer="timestamp-query" if ts else "wall",
@@ -815,8 +829,11 @@ class WgpuBackend(IndexBranchMixin, Backend):
                 if scratch_rows:
                     scratch_o, scratch_ml = self._scratch(ctx, scratch_rows * D * 4, scratch_rows * 8)
                 qset = None
+                one_pass = self._profiling and self._one_pass
                 if (self._opts["timestamps"] or self._profiling) and "timestamp-query" in ctx.features:
-                    qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2 * n_pass * replay)
+                    qset = dev.create_query_set(type=wgpu.QueryType.timestamp,
+                                                count=2 * replay if one_pass else 2 * n_pass * replay)
+                split = qset is not None and not one_pass  # a timed pass per partials / merge run
                 maxdim = ctx.workgroups_per_dim
                 align = ctx.uniform_align
                 # every batch's buffers first (uploads written), then the commands
@@ -856,13 +873,15 @@ class WgpuBackend(IndexBranchMixin, Backend):
                 pass_kinds: list = []
                 pass_rep: list = []
                 cp = None
-                for rep, (bp, qbuf, planbuf, out_o, out_ml, pbuf, mbuf, calls, rb_off) in (
-                        (r, b) for r in range(replay) for b in batches):
+                for rep, bi, (bp, qbuf, planbuf, out_o, out_ml, pbuf, mbuf, calls, rb_off) in (
+                        (r, j, b) for r in range(replay) for j, b in enumerate(batches)):
                     part_o, part_ml = (out_o, out_ml) if bp.identity else (scratch_o, scratch_ml)
                     for i, (kind, chunk, gx, gy) in enumerate(calls):
                         # one pass for the whole call (wgpu orders the dispatches of a pass by
-                        # their buffer usage); with timestamps one per partials / merge run
-                        if cp is None or (qset is not None and (i == 0 or (kind == "m" and calls[i - 1][0] == "p"))):
+                        # their buffer usage); with timestamps one per partials / merge run, or
+                        # (one_pass) one per replay of the call
+                        if cp is None or (split and (i == 0 or (kind == "m" and calls[i - 1][0] == "p"))) or (
+                                one_pass and qset is not None and i == 0 and bi == 0):
                             if cp is not None:
                                 cp.end()
                             tw = None
@@ -885,7 +904,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
                         cp.set_pipeline(pipe)
                         cp.set_bind_group(0, bind_group(ctx, bgl, res, cache_bg))
                         cp.dispatch_workgroups(gx, gy, 1)
-                    if qset is not None and cp is not None:
+                    if split and cp is not None:
                         cp.end()
                         cp = None
                 if cp is not None:
@@ -919,6 +938,9 @@ class WgpuBackend(IndexBranchMixin, Backend):
                     ts = np.frombuffer(bufs.map_read(rb_ts, n_q * 8), dtype=np.uint64).astype(np.int64).reshape(-1, 2)
                     rb_ts.unmap()
                     dt = (ts[:, 1] - ts[:, 0]) * ctx.ns_per_tick * 1e-9
+                    if one_pass:  # a pass per replay, holding the whole call
+                        timings.update(gpu_call_s=float(np.median(dt)))
+                        return
                     kinds = np.array(pass_kinds)
                     reps = np.array(pass_rep)
                     per = [(float(dt[(kinds == "p") & (reps == r)].sum()), float(dt[(kinds == "m") & (reps == r)].sum()),
