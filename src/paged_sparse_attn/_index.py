@@ -9,7 +9,7 @@ import numpy as np
 
 from ._types import KVOuterIndex
 
-__all__ = ["query_positions", "build_index_arrays"]
+__all__ = ["query_positions", "build_index_arrays", "run_starts"]
 
 
 def query_positions(cu_seqlens_q: np.ndarray, used_kv_lens: np.ndarray, causal: bool):
@@ -33,6 +33,14 @@ def query_positions(cu_seqlens_q: np.ndarray, used_kv_lens: np.ndarray, causal: 
         hi = np.minimum(L, L - counts[seq] + i + 1)  # sees p <= L_b - T_b + i
     # --8<-- [end:causal]
     return seq, hi
+
+
+def run_starts(s: np.ndarray) -> np.ndarray:
+    """Mask of the first element of each run of equal values (of a sorted array: of each value)."""
+    new = np.empty(s.shape[0], dtype=bool)
+    new[:1] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:])
+    return new
 
 
 def _edge_order(slot: np.ndarray, n_slots: int) -> np.ndarray:
@@ -90,10 +98,7 @@ def build_index_arrays(
     # every edge field in edge order, as int32 (the values fit: R7)
     e_t, e_h, e_b, e_s, e_rank, e_len = (np.take(a.astype(np.int32), order) for a in (t, h, b, blk, rank, length))
     # slot groups: runs of equal slot key (h, b, s)
-    e_slot = slot[order]
-    new = np.ones(E, dtype=bool)
-    np.not_equal(e_slot[1:], e_slot[:-1], out=new[1:])
-    starts = np.flatnonzero(new)
+    starts = np.flatnonzero(run_starts(slot[order]))
     slot_ptr = np.empty(starts.shape[0] + 1, dtype=np.int32)
     slot_ptr[:-1] = starts
     slot_ptr[-1] = E

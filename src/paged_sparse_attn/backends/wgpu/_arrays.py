@@ -10,7 +10,7 @@ import numpy as np
 
 from ..._types import DeviceArray
 from ...errors import DeviceError
-from ._device import device_errors
+from ._device import destroy_all, device_errors
 from ._plan import SlabMap, chunk_starts_for
 
 __all__ = ["CacheLayout", "WgpuArray", "upload_slabs"]
@@ -124,14 +124,6 @@ def upload_slabs(device, arr: np.ndarray, layout: CacheLayout, label: str) -> li
     return bufs
 
 
-def _destroy(buffers: list) -> None:
-    for b in buffers:
-        try:
-            b.destroy()
-        except Exception:
-            pass
-
-
 class WgpuArray(DeviceArray):
     """A paged K or V cache held by a :class:`WgpuBackend` (see ``WgpuBackend.upload_kv_cache``).
 
@@ -155,7 +147,7 @@ class WgpuArray(DeviceArray):
         self._label = label
         # destroyed (device memory freed) when released or collected, even while the backend's
         # cached bind groups still refer to the buffers (those would otherwise keep it alive)
-        self._finalizer = weakref.finalize(self, _destroy, buffers)
+        self._finalizer = weakref.finalize(self, destroy_all, buffers)
         self._finalizer.atexit = False
 
     @property

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._device import device_errors
+from ._device import destroy_all, device_errors
 from ._shaders import shader_source
 
 __all__ = ["READ_KERNEL", "copy_bandwidth", "median_time", "read_bandwidth", "wait_idle"]
@@ -83,16 +83,8 @@ def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, rep
             if i:  # the first run warms up
                 times.append(dt)
     finally:
-        _destroy(bufs)
+        destroy_all(bufs)
     return float(np.median(times)), "timestamp-query" if use_ts else "wall"
-
-
-def _destroy(bufs: list) -> None:
-    for b in bufs:
-        try:
-            b.destroy()
-        except Exception:
-            pass
 
 
 def copy_bandwidth(ctx: Any, nbytes: int, repeat: int = 10) -> dict:
@@ -125,7 +117,7 @@ def copy_bandwidth(ctx: Any, nbytes: int, repeat: int = 10) -> dict:
 
             t, timer = median_time(ctx, encode, dst, repeat)
     finally:
-        _destroy(bufs)
+        destroy_all(bufs)
     return dict(bytes_per_s=2.0 * n / t if t > 0 else float("nan"), copy_s=t, copy_bytes=n, timer=timer)
 
 
@@ -169,5 +161,5 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
 
             t, timer = median_time(ctx, encode, sink, repeat, warmup_s)
     finally:
-        _destroy(bufs)
+        destroy_all(bufs)
     return dict(bytes_per_s=n / t if t > 0 else float("nan"), read_s=t, read_bytes=n, timer=timer)

@@ -14,6 +14,7 @@ from ...errors import DeviceError
 
 __all__ = [
     "WEBGPU_DEFAULT_LIMITS",
+    "destroy_all",
     "INSTALL_HINT",
     "DRIVER_HINT",
     "DeviceContext",
@@ -313,6 +314,15 @@ def open_device(
     # own checks (a refused call must leave the device untouched)
     ctx.subgroup = _measure_subgroup(ctx)
     return ctx
+
+
+def destroy_all(buffers) -> None:
+    """Destroy every buffer of ``buffers``; never raises (teardown after an error, finalizers)."""
+    for b in buffers:
+        try:
+            b.destroy()
+        except Exception:
+            pass
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import numpy as np
 from ..._types import DeviceArray
 from ...errors import DeviceError, UnsupportedError
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
-from ._device import device_errors
+from ._device import destroy_all, device_errors
 from ._plan import grid_dispatches, unique_sorted
 from ._shaders import shader_source
 
@@ -127,11 +127,7 @@ class _Run:
             rb.unmap()
 
     def close(self) -> None:
-        for b in self.owned:
-            try:
-                b.destroy()
-            except Exception:
-                pass
+        destroy_all(self.owned)
         self.owned = []
 
 

@@ -31,6 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
+from ..._index import run_starts
 from ..._types import KVOuterIndex
 from ...errors import UnsupportedError
 
@@ -59,22 +60,15 @@ MAX_TK = 64
 def unique_sorted(a: np.ndarray) -> np.ndarray:
     """``np.unique(a)`` for an integer array, by one sort: numpy 2's hash-based ``np.unique``
     took 0.57 ms where this takes 0.05 ms on 4096 keys (a decode step's page keys)."""
-    if a.size == 0:
-        return a.copy()
     s = np.sort(a)
-    keep = np.empty(s.shape[0], dtype=bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
+    return s[run_starts(s)]
 
 
 def unique_inverse(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(a, return_inverse=True)`` for an integer array, by one argsort."""
     order = np.argsort(a, kind="stable")
     s = a[order]
-    new = np.empty(s.shape[0], dtype=bool)
-    new[:1] = True
-    np.not_equal(s[1:], s[:-1], out=new[1:])
+    new = run_starts(s)
     inv = np.empty(a.shape[0], dtype=np.int64)
     inv[order] = np.cumsum(new) - 1
     return s[new], inv

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ._device import destroy_all
+
 __all__ = ["CallBuffers", "bind_group"]
 
 ALIGN = 256  # pooled sizes are rounded up to this (and grown by 1.5x) so that small growth reuses
@@ -101,11 +103,7 @@ class CallBuffers:
                     b.unmap()
             except Exception:
                 pass
-        for b in self.owned:
-            try:
-                b.destroy()
-            except Exception:
-                pass
+        destroy_all(self.owned)
         self.mapped, self.owned = [], []
 
 

@@ -28,8 +28,8 @@ from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._ceilings import copy_bandwidth, read_bandwidth
 from ._decode import DECODE, KERNELS, choose_decode_geometry, decode_ineligible
-from ._device import (DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, device_errors, open_device,
-                      subgroup_size)
+from ._device import (DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, destroy_all, device_errors,
+                      open_device, subgroup_size)
 from ._index_branch import IndexBranchMixin
 from ._plan import (
     BatchPlan,
@@ -705,11 +705,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
                            batches=len(plans), chunks=layout.n_chunks, geometry=geom,
                            kernel=getattr(geom, "kernel", PARTIALS))
         finally:
-            for b in temps:
-                try:
-                    b.destroy()
-                except Exception:
-                    pass
+            destroy_all(temps)
 
     def _geometry(self, ctx: DeviceContext, view: IndexView, D: int, G: int, itemsize: int, fn: str) -> Geometry:
         """Geometry of the partials kernel of a call: decode or generic (``partials_kernel``).
@@ -829,7 +825,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
                 if scratch_rows:
                     scratch_o, scratch_ml = self._scratch(ctx, scratch_rows * D * 4, scratch_rows * 8)
                 qset = None
-                one_pass = self._profiling and self._one_pass
+                one_pass = self._one_pass  # (set by profile_forward only)
                 if (self._opts["timestamps"] or self._profiling) and "timestamp-query" in ctx.features:
                     qset = dev.create_query_set(type=wgpu.QueryType.timestamp,
                                                 count=2 * replay if one_pass else 2 * n_pass * replay)
