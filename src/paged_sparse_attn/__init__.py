@@ -7,6 +7,8 @@ The numpy backend is the executable spec; optional backends (``wgpu``) are impor
 from __future__ import annotations
 
 from ._api import build_kvouter_index, combine_partials, forward, forward_partials
+from ._attention_plan import AttentionPlan, plan_attention
+from ._layout import BatchLayout
 from ._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
 from .backends.base import Backend
 from .errors import (
@@ -24,6 +26,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "forward",
+    "plan_attention",
+    "AttentionPlan",
+    "BatchLayout",
     "forward_partials",
     "combine_partials",
     "build_kvouter_index",

@@ -110,11 +110,23 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     BackendUnavailableError
         The backend is unknown or cannot run here.
     """
+    if isinstance(q, DeviceArray) or isinstance(selected, DeviceArray):  # R26: results stay on the device
+        from ._attention_plan import forward_planned
+
+        return forward_planned(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
+                               used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
+                               causal=causal, backend=backend, return_lse=return_lse)
     p = validate_forward("forward", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
                          causal=causal)
     be = resolve_backend(backend, p.k_cache, p.v_cache)
     _run_checks(be, "forward", p)
+    if be.plans_forward(p):  # the backend's plan runtime takes this call (R28)
+        from ._attention_plan import cached_plan
+        from ._layout import layout_of
+
+        out, lse = cached_plan(layout_of(p), be)._runtime.run(p.q, p.k_cache, p.v_cache, p.selected)
+        return (out, lse) if return_lse else out
     index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
                                block_size=p.block_size, page_size=p.page_size, causal=p.causal)
     out, lse = be.forward(p, index)

@@ -174,6 +174,29 @@ def _first_index(mask: np.ndarray) -> list[int]:
     return [int(i) for i in np.argwhere(mask)[0]]
 
 
+def check_selected(fn: str, sel: np.ndarray, Tq: int, num_kv_heads: int | None, msb: int,
+                   topk: int | None = None) -> None:
+    """R6 on an int32 host selection: shape [Tq, Hkv, topk], ids in [-1, msb), unique per row."""
+    if sel.shape[0] != Tq or (num_kv_heads is not None and sel.shape[1] != num_kv_heads) or (
+            topk is not None and sel.shape[2] != topk):
+        hkv = num_kv_heads if num_kv_heads is not None else "Hkv"
+        k = "topk" if topk is None else f"topk={topk}"
+        raise _fail(fn, f"selected must have shape [Tq={Tq}, Hkv={hkv}, {k}], got {sel.shape}", "R6")
+    if sel.size:
+        bad = (sel < -1) | (sel >= msb)
+        if bad.any():
+            at = _first_index(bad)
+            v = int(sel[tuple(at)])
+            rel = f">= msb={msb}" if v >= msb else "< -1"
+            raise _fail(fn, f"selected contains block id {v} {rel} at {at}", "R6")
+        if sel.shape[2] > 1:
+            srt = np.sort(sel, axis=2)
+            dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+            if dup.any():
+                t, h, j = _first_index(dup)
+                raise _fail(fn, f"selected row [{t}, {h}] repeats block id {int(srt[t, h, j])}; ids must be unique per row", "R6")
+
+
 def check_layout(
     fn: str,
     block_tables: Any,
@@ -230,22 +253,7 @@ def check_layout(
     Tq = num_queries if num_queries is not None else sel.shape[0]
     if int(cu[-1]) != Tq:
         raise _fail(fn, f"cu_seqlens_q[-1] must equal Tq={Tq}, got {int(cu[-1])}", "R3")
-    if sel.shape[0] != Tq or (num_kv_heads is not None and sel.shape[1] != num_kv_heads):
-        hkv = num_kv_heads if num_kv_heads is not None else "Hkv"
-        raise _fail(fn, f"selected must have shape [Tq={Tq}, Hkv={hkv}, topk], got {sel.shape}", "R6")
-    if sel.size:
-        bad = (sel < -1) | (sel >= msb)
-        if bad.any():
-            at = _first_index(bad)
-            v = int(sel[tuple(at)])
-            rel = f">= msb={msb}" if v >= msb else "< -1"
-            raise _fail(fn, f"selected contains block id {v} {rel} at {at}", "R6")
-        if sel.shape[2] > 1:
-            srt = np.sort(sel, axis=2)
-            dup = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
-            if dup.any():
-                t, h, j = _first_index(dup)
-                raise _fail(fn, f"selected row [{t}, {h}] repeats block id {int(srt[t, h, j])}; ids must be unique per row", "R6")
+    check_selected(fn, sel, Tq, num_kv_heads, msb)
 
     cap = msb * bs
     if used_kv_lens is None:

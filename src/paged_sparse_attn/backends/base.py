@@ -72,6 +72,24 @@ class Backend(ABC):
     def select_topk(self, problem) -> np.ndarray:  # pragma: no cover - overridden
         raise UnsupportedError(f"backend {self.name!r} does not implement select_topk [R18]")
 
+    def plans_forward(self, problem: Problem) -> bool:
+        """Whether ``forward()`` runs ``problem`` through a cached plan of this backend (R28).
+
+        Default False: ``forward()`` builds the index and calls :meth:`forward`.
+        """
+        return False
+
+    def make_runtime(self, layout):
+        """What this backend prepares for a planned batch layout (R28).
+
+        The default runs each layer through :meth:`forward` (the R13 index built on the host);
+        backends with device work to set up once (buffers, pipelines) return their own runtime
+        with the same methods (``run``, ``run_sparse``, ``kvouter_index``, ``update``, ``close``).
+        """
+        from .host_runtime import HostRuntime
+
+        return HostRuntime(self, layout)
+
     def close(self) -> None:
         """Release device resources. The default has none."""
 

@@ -177,6 +177,10 @@ class WgpuArray(DeviceArray):
         """Copy the cache back to the host, ``[P, Hkv, S, D]``."""
         return self.backend._read_cache(self)
 
+    def numpy(self) -> np.ndarray:
+        """Copy the cache back to the host, ``[P, Hkv, S, D]`` (as :meth:`to_numpy`)."""
+        return self.to_numpy()
+
     def write_pages(self, page_ids, pages) -> None:
         """Overwrite whole pages: ``pages[i]`` ([Hkv, S, D]) goes to physical page ``page_ids[i]``."""
         self.backend._write_pages(self, page_ids, pages)

@@ -41,9 +41,11 @@ from ._plan import (
     plan_partials,
 )
 from ._shaders import shader_source
+from ._tensors import WgpuTensor
+from ._tensors import upload as upload_tensor
 from ._transfer import CallBuffers, bind_group
 
-__all__ = ["WgpuBackend", "WgpuArray"]
+__all__ = ["WgpuBackend", "WgpuArray", "WgpuTensor"]
 
 PARTIALS = "psa_partials.wgsl"
 MERGE = "psa_merge.wgsl"
@@ -293,6 +295,54 @@ class WgpuBackend(IndexBranchMixin, Backend):
             hit = (pipe, bgl)
             ctx.pipelines[key] = hit
         return hit
+
+    # --- plans and device arrays (R26, R28) -------------------------------------------------------
+
+    def plans_forward(self, problem: Problem) -> bool:
+        """Device-resident caches of one storage binding each: ``forward()`` takes the plan path."""
+        k, v = problem.k_cache, problem.v_cache
+        return (isinstance(k, WgpuArray) and isinstance(v, WgpuArray) and k.backend is self and v.backend is self
+                and k.layout.n_chunks == 1 and v.layout.n_chunks == 1 and not self._profiling
+                and self._max_bytes is None and self._kernel == "auto" and not self._opts["timestamps"] and not k.released and not v.released)
+
+    def make_runtime(self, layout):
+        """The device-resident runtime of a planned batch layout (``_layer.DeviceRuntime``)."""
+        from ._layer import DeviceRuntime
+
+        return DeviceRuntime(self, layout)
+
+    def asarray(self, x, *, dtype=None) -> WgpuTensor:
+        """Copy a host array (numpy, ``__array__`` or DLPack) to the device (R26).
+
+        Parameters
+        ----------
+        x : array
+            E.g. ``q`` (float32 [Tq, Hq, D]) or ``selected`` (int32 [Tq, Hkv, topk]).
+        dtype : dtype, optional
+            Must equal ``x``'s dtype when given (no silent cast).
+
+        Returns
+        -------
+        WgpuTensor
+            Pass it to ``forward()`` or ``AttentionPlan.run``; ``.numpy()`` copies it back.
+        """
+        from ..._validation import as_array
+
+        a = as_array(x, "asarray", "x", "R26")
+        if isinstance(a, DeviceArray):
+            if a.backend is not self:
+                raise UnsupportedError(f"asarray(): x is a device array of {a.backend!r}, not of this backend [R18]")
+            return a
+        if dtype is not None and np.dtype(dtype) != a.dtype:
+            raise SpecError(f"asarray(): x has dtype {a.dtype.name}, dtype={np.dtype(dtype).name} asked; cast it "
+                            "first (no silent cast) [R26]", "R26")
+        with self._lock:
+            return upload_tensor(self, self._device(), np.asarray(a), "array")
+
+    def _read_range(self, buf, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``offset:offset+nbytes`` of a device buffer (waits for the work that writes it)."""
+        with device_errors("readback", bytes=nbytes):
+            return self._device().device.queue.read_buffer(buf, offset, nbytes)
 
     # --- device-resident caches --------------------------------------------------------------------
 

@@ -1,0 +1,331 @@
+// psa_invert.wgsl — the KV-outer inversion (R13) on the device, and the work of the partials
+// kernels built from it, for a device-resident selection (no host round trip).
+//
+// Flags. Entry (t, h, rank) of `selected` with a kept block s (R13: a real block with
+// s * BS < hi_t) sets flag f(t, h, s) = h Tq msb + cu_b msb + s T_b + (t - cu_b) to rank + 1,
+// where b is t's sequence, cu_b its first query and T_b its query count. f is a bijection onto
+// [0, Hkv Tq msb) whose order is (KV head, sequence, block, query): the R13 edge order. So the
+// exclusive prefix sum of the flags (psa_scan.wgsl) at f is the edge id of the entry, and the
+// prefix of the per-row counts that follow the flags gives row_ptr: the same numbers as the host
+// index, by construction, whatever order the invocations run in (R19).
+//
+// Entry points, one dispatch each, in this order (a prefix sum between `mark` and `scatter`, and
+// for the generic kernel between `item_flags` and `items`):
+//   mark        one invocation per row (t, h): checks the row (R6: ids in [-1, msb), unique),
+//               sets its flags and its kept count. A violation sets an error bit and the
+//               offending entry is skipped, so nothing downstream reads outside a buffer.
+//   scatter     one invocation per row: the row's edges in rank order -> edge fields (edges),
+//               row_ptr and row_edges (merge), edge records (plan); with DECODE = 1 also the
+//               work items (one per edge and head range) and page lists of psa_partials_decode.
+//   item_flags  (DECODE = 0) one invocation per edge: 1 where the edge starts a work item (every
+//               EPI-th edge of its slot group), into work[w2_off + e].
+//   items       (DECODE = 0) one invocation per edge that starts an item: the work item records
+//               and page list of psa_partials.wgsl.
+//   finalize    one invocation: the indirect dispatch size and the params record of the
+//               partials kernel (copied into its uniform buffer by the host's command encoder).
+//
+// Bindings (group 0)
+//   0 params  uniform              InvParams (below)
+//   1 sel     storage, read        i32 [Tq, Hkv, K]  the selection (-1 = empty slot)
+//   2 lay     storage, read        i32: per query (b, hi) at 0, per sequence (cu_b, T_b) at
+//                                  seq_off, block_tables [B, max_pages] at bt_off
+//   3 work    storage, read_write  u32: flags [n_flags] | row counts [Tq Hkv] | item flags at w2_off
+//                                  (zeroed by the host before `mark`)
+//   4 scan    storage, read        u32: prefixes and tile sums of psa_scan.wgsl (offsets below)
+//   5 edges   storage, read_write  u32 [6, emax]  edge_query, edge_head, edge_seq, edge_block,
+//                                  edge_rank, edge_len (structure of arrays)
+//   6 merge   storage, read_write  u32: row_ptr [Tq Hkv + 1] | row_edges [emax]  (psa_merge.wgsl's
+//                                  plan for the combine: a row merges its edges in rank order)
+//   7 plan    storage, read_write  u32: work items (8 u32) | edge records at erec_base (q row,
+//                                  edge_len) | page lists at page_base (PPB entries per edge item)
+//   8 args    storage, read_write  atomic<u32>: [0..3) indirect dispatch size, [4..12) the params
+//                                  record of the partials kernel, [12] error bits, [13] INVALID minus
+//                                  the first bad row (0: none)
+//
+// Error bits: 1 = a block id outside [-1, msb), 2 = a repeated block id in a row (R6).
+//
+// Override constants
+//   WG      workgroup size        DECODE  1: items for psa_partials_decode (one edge each)
+//   TILE    elements per scan tile (psa_scan.wgsl: 4 x its WG)
+
+override WG: u32 = 64u;
+override DECODE: u32 = 1u;
+override TILE: u32 = 1024u;
+const INVALID: u32 = 0xffffffffu;
+
+struct InvParams {
+    tq: u32,          // queries
+    hkv: u32,         // KV heads
+    k: u32,           // slots per row of `selected`
+    msb: u32,         // blocks per sequence
+    bs: u32,          // block size
+    ppb: u32,         // pages per block
+    max_pages: u32,   // row stride of block_tables
+    n_flags: u32,     // Hkv Tq msb
+    g: u32,           // query heads per KV head
+    nh: u32,          // head ranges per edge item
+    hpi: u32,         // heads per item (the last range may hold fewer)
+    epi: u32,         // edges per work item (generic kernel)
+    erec_base: u32,   // edge records in plan
+    page_base: u32,   // page lists in plan
+    gx: u32,          // workgroups along x of the partials dispatch (fixed by the host)
+    emax: u32,        // edge capacity: Tq Hkv K
+    seq_off: u32,     // (cu_b, T_b) in lay
+    bt_off: u32,      // block_tables in lay
+    s1_dst: u32,      // prefixes of flags and row counts in scan
+    s1_tiles: u32,    // their tile sums in scan
+    s1_ntiles: u32,
+    w2_off: u32,      // item flags in work
+    s2_dst: u32,      // prefixes of the item flags in scan
+    s2_tiles: u32,
+    s2_ntiles: u32,
+    grid_x: u32,      // workgroups along x of this dispatch (2-D grid)
+    slab4: u32,       // params record of the partials kernel: slab stride in vec4s
+    scale: u32,       // ... and softmax_scale (f32 bits)
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+    _pad3: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: InvParams;
+@group(0) @binding(1) var<storage, read> sel: array<i32>;
+@group(0) @binding(2) var<storage, read> lay: array<i32>;
+@group(0) @binding(3) var<storage, read_write> work: array<u32>;
+@group(0) @binding(4) var<storage, read> scan: array<u32>;
+@group(0) @binding(5) var<storage, read_write> edges: array<u32>;
+@group(0) @binding(6) var<storage, read_write> merge: array<u32>;
+@group(0) @binding(7) var<storage, read_write> plan: array<u32>;
+@group(0) @binding(8) var<storage, read_write> args: array<atomic<u32>>;
+
+// exclusive prefix of element i of the first scan (flags, then row counts)
+fn prefix1(i: u32) -> u32 {
+    return scan[params.s1_dst + i] + scan[params.s1_tiles + i / TILE];
+}
+
+// exclusive prefix of item flag e (second scan)
+fn prefix2(e: u32) -> u32 {
+    return scan[params.s2_dst + e] + scan[params.s2_tiles + e / TILE];
+}
+
+fn num_edges() -> u32 {
+    return prefix1(params.n_flags);  // flags come first: the prefix after them is their total
+}
+
+struct Query {
+    b: u32,
+    hi: i32,     // exclusive end of the positions the query sees (<= 0: none)
+    cu: u32,     // first query of its sequence
+    tb: u32,     // queries of its sequence
+}
+
+fn query(t: u32) -> Query {
+    let b = u32(lay[2u * t]);
+    let hi = lay[2u * t + 1u];
+    return Query(b, hi, u32(lay[params.seq_off + 2u * b]), u32(lay[params.seq_off + 2u * b + 1u]));
+}
+
+// blocks a query may keep: s * BS < hi, i.e. s < ceil(hi / BS)
+fn n_visible(hi: i32) -> u32 {
+    if (hi <= 0) {
+        return 0u;
+    }
+    return (u32(hi) + params.bs - 1u) / params.bs;
+}
+
+fn flag_index(t: u32, h: u32, s: u32, qi: Query) -> u32 {
+    return h * params.tq * params.msb + qi.cu * params.msb + s * qi.tb + (t - qi.cu);
+}
+
+fn linear_id(wid: vec3<u32>, lid: u32) -> u32 {
+    return (wid.y * params.grid_x + wid.x) * WG + lid;
+}
+
+// an R6 violation in row `row`: the bit, and the first such row as INVALID - row in a max (the
+// host zeroes both words before every run; 0 = none)
+fn report(bit: u32, row: u32) {
+    atomicOr(&args[12], bit);
+    atomicMax(&args[13], INVALID - row);
+}
+
+@compute @workgroup_size(WG)
+fn mark(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = linear_id(wid, lid);
+    if (r >= params.tq * params.hkv) {
+        return;
+    }
+    let t = r / params.hkv;
+    let h = r - t * params.hkv;
+    let qi = query(t);
+    let nvis = n_visible(qi.hi);
+    let base = r * params.k;
+    var cnt = 0u;
+    for (var j = 0u; j < params.k; j++) {
+        let s = sel[base + j];
+        if (s == -1) {
+            continue;
+        }
+        if (s < -1 || s >= i32(params.msb)) {
+            report(1u, r);
+            continue;
+        }
+        var dup = false;
+        for (var j2 = 0u; j2 < j; j2++) {
+            if (sel[base + j2] == s) {
+                dup = true;
+            }
+        }
+        if (dup) {
+            report(2u, r);
+            continue;  // the first occurrence stands; the row is reported
+        }
+        if (u32(s) < nvis) {
+            work[flag_index(t, h, u32(s), qi)] = j + 1u;
+            cnt += 1u;
+        }
+    }
+    work[params.n_flags + r] = cnt;
+}
+
+@compute @workgroup_size(WG)
+fn scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = linear_id(wid, lid);
+    let n_rows = params.tq * params.hkv;
+    if (r >= n_rows) {
+        return;
+    }
+    let E = num_edges();
+    let rp = prefix1(params.n_flags + r) - E;
+    merge[r] = rp;
+    if (r == n_rows - 1u) {
+        merge[n_rows] = prefix1(params.n_flags + r) + work[params.n_flags + r] - E;
+    }
+    let t = r / params.hkv;
+    let h = r - t * params.hkv;
+    let qi = query(t);
+    let nvis = n_visible(qi.hi);
+    let base = r * params.k;
+    let em = params.emax;
+    var n = 0u;
+    for (var j = 0u; j < params.k; j++) {
+        let s = sel[base + j];
+        if (s < 0 || s >= i32(params.msb) || u32(s) >= nvis) {
+            continue;
+        }
+        let f = flag_index(t, h, u32(s), qi);
+        if (work[f] != j + 1u) {
+            continue;  // a repeated id (reported by mark): the first occurrence holds the flag
+        }
+        let e = prefix1(f);
+        let len = min(params.bs, u32(qi.hi) - u32(s) * params.bs);
+        edges[e] = t;
+        edges[em + e] = h;
+        edges[2u * em + e] = qi.b;
+        edges[3u * em + e] = u32(s);
+        edges[4u * em + e] = j;
+        edges[5u * em + e] = len;
+        merge[n_rows + 1u + rp + n] = e;
+        n += 1u;
+        plan[params.erec_base + 2u * e] = r;        // the q row of the edge: t Hkv + h
+        plan[params.erec_base + 2u * e + 1u] = len;
+        if (DECODE == 1u) {
+            let pages = params.page_base + e * params.ppb;
+            write_pages(pages, qi.b, u32(s), h);
+            write_items(e, 1u, len, e, pages);
+        }
+    }
+}
+
+// page list of block s of sequence b for KV head h: slab p Hkv + h, or INVALID (unmapped)
+fn write_pages(at: u32, b: u32, s: u32, h: u32) {
+    let row = params.bt_off + b * params.max_pages + s * params.ppb;
+    for (var j = 0u; j < params.ppb; j++) {
+        let p = lay[row + j];
+        var slab = INVALID;
+        if (p >= 0) {
+            slab = u32(p) * params.hkv + h;
+        }
+        plan[at + j] = slab;
+    }
+}
+
+// the NH work items (head ranges) of edge item `item`: n_e edges from edge e0
+fn write_items(item: u32, n_e: u32, max_len: u32, e0: u32, pages: u32) {
+    for (var hs = 0u; hs < params.nh; hs++) {
+        let g0 = hs * params.hpi;
+        let ib = (item * params.nh + hs) * 8u;
+        plan[ib] = max_len;
+        plan[ib + 1u] = n_e;
+        plan[ib + 2u] = g0;
+        plan[ib + 3u] = min(params.hpi, params.g - g0);
+        plan[ib + 4u] = params.erec_base + 2u * e0;
+        plan[ib + 5u] = pages;
+        plan[ib + 6u] = e0 * params.g + g0;
+        plan[ib + 7u] = 0u;
+    }
+}
+
+// (first edge, end) of the slot group of edge e
+fn slot_bounds(e: u32) -> vec2<u32> {
+    let em = params.emax;
+    let t = edges[e];
+    let h = edges[em + e];
+    let s = edges[3u * em + e];
+    let qi = query(t);
+    let f0 = h * params.tq * params.msb + qi.cu * params.msb + s * qi.tb;
+    return vec2<u32>(prefix1(f0), prefix1(f0 + qi.tb));
+}
+
+@compute @workgroup_size(WG)
+fn item_flags(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let e = linear_id(wid, lid);
+    if (e >= params.emax) {
+        return;
+    }
+    var starts = 0u;
+    if (e < num_edges()) {
+        let sb = slot_bounds(e);
+        starts = select(0u, 1u, (e - sb.x) % params.epi == 0u);
+    }
+    work[params.w2_off + e] = starts;
+}
+
+@compute @workgroup_size(WG)
+fn items(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let e = linear_id(wid, lid);
+    if (e >= params.emax || e >= num_edges() || work[params.w2_off + e] == 0u) {
+        return;
+    }
+    let sb = slot_bounds(e);
+    let n_e = min(params.epi, sb.y - e);
+    var max_len = 0u;
+    for (var i = 0u; i < n_e; i++) {
+        max_len = max(max_len, plan[params.erec_base + 2u * (e + i) + 1u]);
+    }
+    let item = prefix2(e);
+    let pages = params.page_base + item * params.ppb;
+    let em = params.emax;
+    write_pages(pages, edges[2u * em + e], edges[3u * em + e], edges[em + e]);
+    write_items(item, n_e, max_len, e, pages);
+}
+
+@compute @workgroup_size(1)
+fn finalize() {
+    var n_items = num_edges() * params.nh;
+    if (DECODE == 0u) {
+        n_items = scan[params.s2_tiles + params.s2_ntiles] * params.nh;
+    }
+    let gx = params.gx;
+    atomicStore(&args[0], gx);
+    atomicStore(&args[1], (n_items + gx - 1u) / gx);
+    atomicStore(&args[2], 1u);
+    atomicStore(&args[3], 0u);
+    atomicStore(&args[4], 0u);          // item_base
+    atomicStore(&args[5], n_items);     // n_items
+    atomicStore(&args[6], gx);          // grid_x
+    atomicStore(&args[7], params.g);    // group
+    atomicStore(&args[8], params.slab4);
+    atomicStore(&args[9], params.scale);
+    atomicStore(&args[10], 0u);
+    atomicStore(&args[11], 0u);
+}

@@ -1,0 +1,118 @@
+// psa_scan.wgsl — exclusive prefix sums of u32 counts, in two entry points (R13 on the device).
+//
+// The device-resident KV-outer inversion (psa_invert.wgsl) numbers edges, rows and work items by
+// prefix sums. A sum of integers has one result whatever the order of its additions, so the
+// numbering is deterministic (R19) and equal to the host's (R13), unlike anything built from the
+// order in which atomics land.
+//
+// `tiles`  one workgroup per tile of TILE = 4 WG consecutive elements: writes the exclusive prefix
+//          of each element within its tile to dst[dst_off + i] and the tile's sum to
+//          dst[tiles_off + tile].
+// `totals` one workgroup: turns the tile sums into their exclusive prefix, in place, and writes
+//          the grand total at dst[tiles_off + n_tiles].
+// The prefix of element i is then dst[dst_off + i] + dst[tiles_off + i / TILE] (a consumer adds
+// the two; no third pass). Element i < n_flags counts as min(src[i], 1) (a flag holding a slot
+// position + 1), element i >= n_flags as src[i] (a count).
+//
+// Bindings (group 0)
+//   0 params  uniform              ScanParams (below)
+//   1 src     storage, read        u32 [src_off + n]
+//   2 dst     storage, read_write  u32: prefixes at dst_off, tile sums at tiles_off
+//
+// Override constants: WG workgroup size (a power of two).
+
+override WG: u32 = 256u;
+const IPT: u32 = 4u;  // elements per invocation
+
+struct ScanParams {
+    n: u32,          // elements
+    n_flags: u32,    // the first n_flags elements are flags (counted as 0 or 1)
+    src_off: u32,    // first element in src
+    dst_off: u32,    // first prefix in dst
+    tiles_off: u32,  // tile sums in dst
+    n_tiles: u32,    // ceil(n / TILE)
+    grid_x: u32,     // workgroups along x of `tiles` (2-D grid: tile = y * grid_x + x)
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: ScanParams;
+@group(0) @binding(1) var<storage, read> src: array<u32>;
+@group(0) @binding(2) var<storage, read_write> dst: array<u32>;
+
+var<workgroup> sh: array<u32, WG>;
+
+// inclusive scan of `x` over the workgroup (Hillis-Steele); every invocation must call it
+fn wg_scan(lid: u32, x: u32) -> u32 {
+    sh[lid] = x;
+    workgroupBarrier();
+    for (var off = 1u; off < WG; off = off * 2u) {
+        var y = 0u;
+        if (lid >= off) {
+            y = sh[lid - off];
+        }
+        workgroupBarrier();
+        sh[lid] = sh[lid] + y;
+        workgroupBarrier();
+    }
+    return sh[lid];
+}
+
+fn value(i: u32) -> u32 {
+    if (i >= params.n) {
+        return 0u;
+    }
+    let x = src[params.src_off + i];
+    if (i < params.n_flags) {
+        return min(x, 1u);
+    }
+    return x;
+}
+
+@compute @workgroup_size(WG)
+fn tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let tile = wid.y * params.grid_x + wid.x;
+    if (tile >= params.n_tiles) {  // uniform per workgroup: the barriers below stay uniform
+        return;
+    }
+    let base = tile * WG * IPT + lid * IPT;
+    let v0 = value(base);
+    let v1 = value(base + 1u);
+    let v2 = value(base + 2u);
+    let v3 = value(base + 3u);
+    let s = v0 + v1 + v2 + v3;
+    let incl = wg_scan(lid, s);
+    var run = incl - s;
+    let o = params.dst_off + base;
+    if (base < params.n) { dst[o] = run; }
+    run += v0;
+    if (base + 1u < params.n) { dst[o + 1u] = run; }
+    run += v1;
+    if (base + 2u < params.n) { dst[o + 2u] = run; }
+    run += v2;
+    if (base + 3u < params.n) { dst[o + 3u] = run; }
+    if (lid == WG - 1u) {
+        dst[params.tiles_off + tile] = incl;
+    }
+}
+
+@compute @workgroup_size(WG)
+fn totals(@builtin(local_invocation_index) lid: u32) {
+    var carry = 0u;
+    for (var c0 = 0u; c0 < params.n_tiles; c0 += WG) {
+        let i = c0 + lid;
+        var x = 0u;
+        if (i < params.n_tiles) {
+            x = dst[params.tiles_off + i];
+        }
+        let incl = wg_scan(lid, x);
+        let chunk = sh[WG - 1u];
+        if (i < params.n_tiles) {
+            dst[params.tiles_off + i] = carry + incl - x;
+        }
+        carry += chunk;
+        workgroupBarrier();  // sh is rewritten by the next chunk's scan
+    }
+    if (lid == 0u) {
+        dst[params.tiles_off + params.n_tiles] = carry;
+    }
+}

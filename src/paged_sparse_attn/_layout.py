@@ -1,0 +1,151 @@
+"""The batch layout a plan is built from (R28), validated once: what stays fixed across layers.
+
+A :class:`BatchLayout` holds everything of a forward call except the per-layer tensors (``q``,
+``k_cache``, ``v_cache``, ``selected`` and the index branch's ``index_q``, ``index_k_cache``):
+the sequences (``cu_seqlens_q``, ``used_kv_lens``), the page map (``block_tables``), the shapes
+and dtypes of the tensors, ``block_size``, ``topk``, ``softmax_scale`` and ``causal``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._validation import (
+    FLOAT_DTYPES,
+    _fail,
+    check_causal,
+    check_int_array,
+    check_layout,
+    check_page_size,
+    check_softmax_scale,
+)
+
+__all__ = ["BatchLayout", "validate_layout", "layout_of"]
+
+
+def _positive(x, fn: str, name: str, rule: str) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or int(x) < 1:
+        raise _fail(fn, f"{name} must be a positive int, got {x!r}", rule)
+    return int(x)
+
+
+def _dtype(x, fn: str, name: str) -> np.dtype:
+    try:
+        dt = np.dtype(x)
+    except TypeError:
+        raise _fail(fn, f"{name} must be a dtype, got {x!r}", "R7") from None
+    if dt not in FLOAT_DTYPES:
+        raise _fail(fn, f"{name} must be one of ({', '.join(d.name for d in FLOAT_DTYPES)}), got {dt.name}", "R7")
+    return dt
+
+
+@dataclass(frozen=True, eq=False)
+class BatchLayout:
+    """A validated batch layout (R2-R5, R7, R8 checked once).
+
+    Attributes
+    ----------
+    block_tables : ndarray int32 [B, max_pages]
+    cu_seqlens_q : ndarray int32 [B + 1]
+    used_kv_lens : ndarray int32 [B]
+        The R4 default ``msb * block_size`` filled in.
+    block_size, page_size, num_q_heads, num_kv_heads, head_dim, topk : int
+    kv_dtype : numpy.dtype
+        dtype of ``k_cache`` and ``v_cache``.
+    softmax_scale : float
+    causal : bool
+    index_dim, num_index_heads : int or None
+        The index branch's ``d_idx`` and ``Hk_idx`` (None: the plan runs attention only).
+    index_dtype : numpy.dtype or None
+    max_page : int
+        Largest page id in ``block_tables`` (-1 if none): a cache must have more pages (R2).
+    """
+
+    block_tables: np.ndarray
+    cu_seqlens_q: np.ndarray
+    used_kv_lens: np.ndarray
+    block_size: int
+    page_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: np.dtype
+    topk: int
+    softmax_scale: float
+    causal: bool
+    index_dim: int | None = None
+    num_index_heads: int | None = None
+    index_dtype: np.dtype | None = None
+    max_page: int = field(default=-1)
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.cu_seqlens_q[-1])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.block_tables.shape[0])
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.block_size // self.page_size
+
+    @property
+    def msb(self) -> int:
+        return self.block_tables.shape[1] // self.pages_per_block
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def max_queries_per_seq(self) -> int:
+        return int(np.diff(self.cu_seqlens_q).max(initial=0))
+
+    def structure_key(self) -> tuple:
+        """What a plan's buffers depend on: everything but the page map and the lengths, which a
+        plan takes in :meth:`AttentionPlan.update` (the plan cache of ``forward()`` is keyed by it)."""
+        return (self.block_tables.shape, self.cu_seqlens_q.tobytes(), self.block_size, self.page_size, self.num_q_heads,
+                self.num_kv_heads, self.head_dim, self.kv_dtype.name, self.topk, self.softmax_scale,
+                self.causal, self.index_dim, self.num_index_heads,
+                None if self.index_dtype is None else self.index_dtype.name)
+
+
+def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size,
+                    num_q_heads, num_kv_heads, head_dim, kv_dtype, topk, causal=False, softmax_scale=None,
+                    index_dim=None, num_index_heads=None, index_dtype=None) -> BatchLayout:
+    """Check a batch layout once (R1-R5, R7, R8, R28) and return it as a :class:`BatchLayout`."""
+    S = check_page_size(page_size, fn)
+    Hq = _positive(num_q_heads, fn, "num_q_heads", "R1")
+    Hkv = _positive(num_kv_heads, fn, "num_kv_heads", "R1")
+    D = _positive(head_dim, fn, "head_dim", "R1")
+    if Hq % Hkv:
+        raise _fail(fn, f"num_q_heads={Hq} must be a multiple of num_kv_heads={Hkv}", "R1")
+    if isinstance(topk, (bool, np.bool_)) or not isinstance(topk, (int, np.integer)) or int(topk) < 0:
+        raise _fail(fn, f"topk must be an int >= 0, got {topk!r}", "R6")
+    kdt = _dtype(kv_dtype, fn, "kv_dtype")
+    cu = check_int_array(cu_seqlens_q, fn, "cu_seqlens_q", 1, "R3")
+    Tq = int(cu[-1]) if cu.size else 0
+    placeholder = np.zeros((max(Tq, 0), Hkv, 0), np.int32)
+    bt, cu, lens, _, bs = check_layout(fn, block_tables, cu, used_kv_lens, placeholder, block_size=block_size,
+                                       page_size=S, num_pages=None, num_queries=Tq, num_kv_heads=Hkv)
+    scale = check_softmax_scale(softmax_scale, D, fn)
+    c = check_causal(causal, fn)
+    idim = ihead = idt = None
+    if index_dim is not None or num_index_heads is not None or index_dtype is not None:
+        idim = _positive(index_dim, fn, "index_dim", "R21")
+        ihead = 1 if num_index_heads is None else _positive(num_index_heads, fn, "num_index_heads", "R21")
+        if ihead not in (1, Hkv):
+            raise _fail(fn, f"num_index_heads must be 1 or num_kv_heads={Hkv}, got {ihead}", "R21")
+        idt = kdt if index_dtype is None else _dtype(index_dtype, fn, "index_dtype")
+    return BatchLayout(bt, cu, lens, bs, S, Hq, Hkv, D, kdt, int(topk), scale, c, idim, ihead, idt,
+                       int(bt.max(initial=-1)))
+
+
+def layout_of(p) -> BatchLayout:
+    """The layout of a validated :class:`~paged_sparse_attn.Problem` (no new checks)."""
+    return BatchLayout(p.block_tables, p.cu_seqlens_q, p.used_kv_lens, p.block_size, p.page_size, p.num_q_heads,
+                       p.num_kv_heads, p.head_dim, p.cache_dtype, p.topk, p.softmax_scale, p.causal,
+                       max_page=int(p.block_tables.max(initial=-1)))

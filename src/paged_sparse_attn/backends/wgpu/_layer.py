@@ -1,0 +1,494 @@
+"""The device-resident runtime of a plan (R28) on the wgpu backend: one submission per layer.
+
+Made once per batch layout (:meth:`WgpuBackend.make_runtime`): every buffer, bind group and
+pipeline a layer needs. A layer then encodes
+
+1. the layer's ``q`` and ``selected`` copied into the plan's buffers (a device-to-device copy for
+   device arrays, one ``write_buffer`` for host arrays);
+2. pass A, the KV-outer inversion (R13) on the device: ``psa_invert.wgsl`` ``mark`` (R6 checks,
+   flags), ``psa_scan.wgsl`` (edge and row numbers), ``scatter`` (edges, the combine's row lists,
+   the partials kernel's work items and page lists), ``finalize`` (the partials dispatch size);
+   the generic kernel also numbers its multi-edge items (``item_flags``, a scan, ``items``);
+3. the partials kernel's params record copied from pass A's output into its uniform buffer;
+4. pass B: the partials kernel (indirect dispatch) and the combine (``psa_merge.wgsl``);
+5. the results: copied into a new device buffer (device ``q``: the results stay there, R26) or
+   into the plan's readback buffer, mapped once (host ``q``).
+
+No numpy over Tq or E runs per layer; the only allocation is the result buffer of a device call.
+The caches must be device-resident (``upload_kv_cache``) and each fit one storage binding; other
+calls run the host-planned path (``WgpuBackend.forward``) with host queries and selections, and
+device queries or selections are refused (R18) there.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..._index import query_positions, run_starts
+from ..._layout import BatchLayout
+from ..._types import DeviceArray, KVOuterIndex
+from ...errors import SpecError, UnsupportedError
+from ._device import destroy_all, device_errors
+from ._shaders import shader_source
+from ._tensors import CallResult, error_message, lse_from_ml
+
+__all__ = ["DeviceRuntime"]
+
+SCAN = "psa_scan.wgsl"
+INVERT = "psa_invert.wgsl"
+MERGE = "psa_merge.wgsl"
+SCAN_WG = 256
+TILE = 4 * SCAN_WG
+INV_WG = 64
+MERGE_WG = 64
+REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment; raised per device)
+# uniform records of the consts buffer
+R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
+
+
+def _grid(n: int, maxdim: int) -> tuple[int, int]:
+    n = max(1, int(n))
+    gx = min(n, maxdim)
+    return gx, -(-n // gx)
+
+
+def _words(*vals) -> np.ndarray:
+    out = np.zeros(len(vals), dtype=np.uint32)
+    for i, v in enumerate(vals):
+        out[i] = np.array([v], np.float32).view(np.uint32)[0] if isinstance(v, float) else int(v)
+    return out
+
+
+class DeviceRuntime:
+    """Buffers, bind groups and pipelines of one batch layout on one wgpu device.
+
+    Parameters
+    ----------
+    backend : WgpuBackend
+    layout : BatchLayout
+    """
+
+    def __init__(self, backend, layout: BatchLayout):
+        self.be = backend
+        self.bufs: list = []
+        self.layout = layout
+        self.fallback = None  # a HostRuntime for calls the device path cannot take
+        with backend._lock:
+            self._build(layout)
+
+    # --- construction ---------------------------------------------------------------------------
+
+    def _buffer(self, nbytes: int, usage: int, label: str):
+        b = self.ctx.device.create_buffer(size=max(16, int(nbytes) + (-int(nbytes)) % 4), usage=usage,
+                                          label=f"plan.{label}")
+        self.bufs.append(b)
+        return b
+
+    def _pipeline(self, kernel: str, entry: str, kinds: list, constants: dict):
+        import wgpu
+
+        ctx = self.ctx
+        key = ("layer", kernel, entry, tuple(sorted(constants.items())))
+        hit = ctx.pipelines.get(key)
+        if hit is None:
+            lkey = ("layer", kernel)
+            if lkey not in ctx.layouts:
+                t = {"u": wgpu.BufferBindingType.uniform, "r": wgpu.BufferBindingType.read_only_storage,
+                     "w": wgpu.BufferBindingType.storage}
+                entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": t[k]}}
+                           for i, k in enumerate(kinds)]
+                bgl = ctx.device.create_bind_group_layout(entries=entries)
+                ctx.layouts[lkey] = (bgl, ctx.device.create_pipeline_layout(bind_group_layouts=[bgl]))
+            bgl, pl = ctx.layouts[lkey]
+            with device_errors(f"pipeline creation of {kernel}:{entry}", **constants):
+                module = ctx.device.create_shader_module(code=shader_source(kernel), label=kernel)
+                pipe = ctx.device.create_compute_pipeline(
+                    layout=pl, compute={"module": module, "entry_point": entry, "constants": constants},
+                    label=f"{kernel}:{entry}")
+            hit = ctx.pipelines[key] = (pipe, bgl)
+        return hit
+
+    def _build(self, L: BatchLayout) -> None:
+        import wgpu
+
+        be = self.be
+        fn = "plan_attention"
+        ctx = self.ctx = be._device()
+        self.generation = be._generation
+        U = wgpu.BufferUsage
+        Tq, Hkv, K, msb, B = L.num_queries, L.num_kv_heads, L.topk, L.msb, L.num_seqs
+        G, D, S, BS, ppb = L.group_size, L.head_dim, L.page_size, L.block_size, L.pages_per_block
+        itemsize = L.kv_dtype.itemsize
+        be._check_cache_dtype(L.kv_dtype, fn)
+        R = Tq * Hkv
+        emax = R * K
+        self.R, self.emax, self.Tq, self.Hq, self.D, self.G = R, emax, Tq, L.num_q_heads, D, G
+        self.empty = emax == 0
+        if self.empty:
+            return
+        maxdim = ctx.workgroups_per_dim
+        align = max(REC, ctx.uniform_align)
+        self.align = align
+        # the partials kernel: decode when no sequence has two queries (a block read by one query)
+        view = SimpleNamespace(max_slot_edges=max(1, L.max_queries_per_seq),
+                               index=SimpleNamespace(page_size=S, block_size=BS))
+        geom = be._geometry(ctx, view, D, G, itemsize, fn)
+        self.geom = geom
+        decode = getattr(geom, "kernel", None) == "psa_partials_decode.wgsl"
+        hpi, nh = geom.heads_per_item, geom.head_splits
+        epi = 1 if decode else geom.edges_per_item
+        n_flags = Hkv * Tq * msb
+        n1 = n_flags + R
+        nt1 = -(-n1 // TILE)
+        nt2 = -(-emax // TILE)
+        s1_dst, s1_tiles = 0, n1
+        s2_dst = s1_tiles + nt1 + 1
+        s2_tiles = s2_dst + emax
+        scan_words = s2_tiles + nt2 + 1
+        w2_off = n1
+        work_words = n1 + (0 if decode else emax)
+        max_items = emax * nh
+        erec_base = max_items * 8
+        page_base = erec_base + 2 * emax
+        plan_words = page_base + emax * ppb + 64  # (+ a lane's reach past the last page list)
+        sizes = {"KV-outer flags (Hkv x Tq x msb)": 4 * work_words, "prefix sums": 4 * scan_words,
+                 "work items": 4 * plan_words, "partials": emax * G * D * 4, "q": Tq * L.num_q_heads * D * 4,
+                 "out": Tq * L.num_q_heads * D * 4}
+        for what, nb in sizes.items():
+            if nb > ctx.binding_size:
+                raise UnsupportedError(
+                    f"{fn}(): backend 'wgpu' cannot plan this layout on the device: its {what} take {nb} bytes, "
+                    f"more than one storage binding ({ctx.binding_size} bytes); plan fewer queries per batch, or "
+                    "call forward() with host arrays (batched on the host) [R18]")
+        gx_p = min(max_items, maxdim)
+        self.geometry = dict(kernel="decode" if decode else "generic", hpi=hpi, nh=nh, epi=epi, gx=gx_p)
+
+        # the layout's data and every buffer, once
+        st = U.STORAGE
+        self.lay = self._buffer(4 * (2 * Tq + 2 * B + L.block_tables.size), st | U.COPY_DST, "layout")
+        self.q = self._buffer(Tq * L.num_q_heads * D * 4, st | U.COPY_DST, "q")
+        self.sel = self._buffer(emax * 4, st | U.COPY_DST, "selected")
+        self.work = self._buffer(4 * work_words, st | U.COPY_DST, "flags")
+        self.work_bytes = int(self.work.size)
+        self.scan = self._buffer(4 * scan_words, st, "prefix")
+        self.edges = self._buffer(4 * 6 * emax, st | U.COPY_SRC, "edges")
+        self.merge = self._buffer(4 * (R + 1 + emax), st | U.COPY_SRC, "rows")
+        self.plan = self._buffer(4 * plan_words, st | U.COPY_SRC, "items")
+        self.args = self._buffer(64, st | U.INDIRECT | U.COPY_SRC | U.COPY_DST, "args")
+        self.pparams = self._buffer(align, U.UNIFORM | U.COPY_DST, "partials.params")
+        self.po = self._buffer(emax * G * D * 4, st, "partials.o")
+        self.pml = self._buffer(emax * G * 8, st, "partials.ml")
+        rows = Tq * L.num_q_heads
+        self.o_bytes, self.ml_bytes = rows * D * 4, rows * 8
+        self.out = self._buffer(self.o_bytes, st | U.COPY_SRC, "out")
+        self.oml = self._buffer(self.ml_bytes, st | U.COPY_SRC, "out.ml")
+        self.rb = self._buffer(self.o_bytes + self.ml_bytes + 8, U.MAP_READ | U.COPY_DST, "readback")
+        self.consts = self._buffer(5 * align, U.UNIFORM | U.COPY_DST, "consts")
+
+        # uniform records
+        rows_grid = _grid(-(-R // INV_WG), maxdim)
+        edges_grid = _grid(-(-emax // INV_WG), maxdim)
+        slab4 = (S * (-(-D // 4) * 4)) // 4
+        inv = lambda gx: _words(Tq, Hkv, K, msb, BS, ppb, L.block_tables.shape[1], n_flags, G, nh, hpi, epi,  # noqa: E731
+                                erec_base, page_base, gx_p, emax, 2 * Tq, 2 * Tq + 2 * B, s1_dst, s1_tiles, nt1,
+                                w2_off, s2_dst, s2_tiles, nt2, gx, slab4, float(L.softmax_scale), 0, 0, 0, 0)
+        g1, g2 = _grid(nt1, maxdim), _grid(nt2, maxdim)
+        merge_wgs = -(-rows * D // MERGE_WG)
+        mg = _grid(merge_wgs, maxdim)
+        recs = {R_ROWS: inv(rows_grid[0]), R_EDGES: inv(edges_grid[0]),
+                R_SCAN1: _words(n1, n_flags, 0, s1_dst, s1_tiles, nt1, g1[0], 0),
+                R_SCAN2: _words(emax, 0, w2_off, s2_dst, s2_tiles, nt2, g2[0], 0),
+                R_MERGE: _words(0, rows, mg[0], R + 1, 1, G, 0, 0)}
+        consts = np.zeros((5, align // 4), np.uint32)
+        for i, r in recs.items():
+            consts[i, :r.shape[0]] = r
+        dev = ctx.device
+        dev.queue.write_buffer(self.consts, 0, consts)
+        self._write_layout(L)
+
+        # pipelines and bind groups
+        cst = {"WG": INV_WG, "DECODE": int(decode), "TILE": TILE}
+        inv_kinds = ["u", "r", "r", "w", "r", "w", "w", "w", "w"]
+        self.p_inv = {e: self._pipeline(INVERT, e, inv_kinds, cst)
+                      for e in (["mark", "scatter", "finalize"] + ([] if decode else ["item_flags", "items"]))}
+        self.p_scan = {e: self._pipeline(SCAN, e, ["u", "r", "w"], {"WG": SCAN_WG}) for e in ("tiles", "totals")}
+        f16 = itemsize == 2
+        self.p_part = be._pipeline(geom.kernel if decode else "psa_partials.wgsl", f16, geom.constants())
+        self.p_merge = be._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
+
+        def ub(i, size):
+            return {"buffer": self.consts, "offset": i * align, "size": size}
+
+        def bg(bgl, res):
+            return dev.create_bind_group(layout=bgl, entries=[{"binding": j, "resource": r} for j, r in enumerate(res)])
+
+        inv_res = lambda i: [ub(i, 128)] + [{"buffer": b} for b in (self.sel, self.lay, self.work, self.scan,  # noqa: E731
+                                                                    self.edges, self.merge, self.plan, self.args)]
+        bgl_inv = self.p_inv["mark"][1]
+        self.bg_rows = bg(bgl_inv, inv_res(R_ROWS))
+        self.bg_edges = bg(bgl_inv, inv_res(R_EDGES))
+        bgl_scan = self.p_scan["tiles"][1]
+        self.bg_scan1 = bg(bgl_scan, [ub(R_SCAN1, 32), {"buffer": self.work}, {"buffer": self.scan}])
+        self.bg_scan2 = bg(bgl_scan, [ub(R_SCAN2, 32), {"buffer": self.work}, {"buffer": self.scan}])
+        self.bg_merge = bg(self.p_merge[1], [ub(R_MERGE, 32)] + [{"buffer": b} for b in (
+            self.po, self.pml, self.merge, self.out, self.oml)])
+        self.bg_part: dict = {}
+        self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
+        self.decode = decode
+
+    def _write_layout(self, L: BatchLayout) -> None:
+        seq, hi = query_positions(L.cu_seqlens_q, L.used_kv_lens, L.causal)
+        T = np.diff(L.cu_seqlens_q.astype(np.int64))
+        lay = np.concatenate([np.stack([seq, hi], 1).reshape(-1),
+                              np.stack([L.cu_seqlens_q[:-1].astype(np.int64), T], 1).reshape(-1),
+                              L.block_tables.reshape(-1).astype(np.int64)]).astype(np.int32)
+        if lay.size:
+            self.ctx.device.queue.write_buffer(self.lay, 0, lay)
+
+    def update(self, layout: BatchLayout) -> None:
+        with self.be._lock:
+            self.layout = layout
+            if self.fallback is not None:
+                self.fallback.update(layout)
+            if not self.empty:
+                self._live()
+                self._write_layout(layout)
+
+    def close(self) -> None:
+        destroy_all(self.bufs)
+        self.bufs = []
+        self.bg_part = {}
+
+    def _live(self) -> None:
+        if self.generation != self.be._generation or (not self.bufs and not self.empty):
+            raise UnsupportedError("AttentionPlan: its device was lost or closed, or the plan was closed; make "
+                                   "a new plan [R18]")
+
+    # --- a layer --------------------------------------------------------------------------------
+
+    def _host_path(self, fn: str, q, k, v, sel) -> bool:
+        """Whether this call takes the host-planned path (caches on the host or of several chunks)."""
+        resident = all(isinstance(a, DeviceArray) and getattr(a, "layout", None) is not None for a in (k, v))
+        if resident and k.layout.n_chunks == 1 and v.layout.n_chunks == 1:
+            return False
+        why = ("the caches are host arrays" if not resident else
+               "a cache is split into several storage bindings (chunks)")
+        if isinstance(q, DeviceArray) or isinstance(sel, DeviceArray):
+            raise UnsupportedError(
+                f"{fn}(): backend 'wgpu' runs device-resident q / selected only on device-resident caches of "
+                f"one storage binding each, and {why}; upload the caches with upload_kv_cache() (a device with "
+                "larger bindings, or float16 caches) or pass host arrays [R18]")
+        return True
+
+    def _fallback(self):
+        if self.fallback is None:
+            from ..host_runtime import HostRuntime
+
+            self.fallback = HostRuntime(self.be, self.layout)
+        return self.fallback
+
+    def run(self, q, k, v, sel):
+        fn = "AttentionPlan.run"
+        if self._host_path(fn, q, k, v, sel):
+            return self._fallback().run(q, k, v, sel)
+        with self.be._lock:
+            return self._run_locked(fn, q, k, v, sel)
+
+    def _stage(self, enc, src, dst, nbytes: int, dtype) -> None:
+        """Copy a layer's tensor into a plan buffer: a device copy, or one write for a host array."""
+        if isinstance(src, DeviceArray):
+            enc.copy_buffer_to_buffer(src.buffer(), src.offset, dst, 0, nbytes)
+        elif nbytes:
+            self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
+
+    def _encode(self, enc, q, k, v, sel, *, attention: bool = True) -> None:
+        L = self.layout
+        if q is not None:
+            if isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
+                raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
+                                       f"{np.dtype(q.dtype).name} (upload it as float32: widening is exact) [R18]")
+            self._stage(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
+        if sel is not None:
+            self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
+        enc.clear_buffer(self.work, 0, self.work_bytes)
+        enc.clear_buffer(self.args, 48, 16)
+        cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
+        self._dispatch(cp, self.p_inv["mark"][0], self.bg_rows, self.grids["rows"])
+        self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan1, self.grids["scan1"])
+        self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan1, (1, 1))
+        self._dispatch(cp, self.p_inv["scatter"][0], self.bg_rows, self.grids["rows"])
+        if not self.decode:
+            self._dispatch(cp, self.p_inv["item_flags"][0], self.bg_edges, self.grids["edges"])
+            self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan2, self.grids["scan2"])
+            self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan2, (1, 1))
+            self._dispatch(cp, self.p_inv["items"][0], self.bg_edges, self.grids["edges"])
+        self._dispatch(cp, self.p_inv["finalize"][0], self.bg_rows, (1, 1))
+        cp.end()
+        if not attention:
+            return
+        enc.copy_buffer_to_buffer(self.args, 16, self.pparams, 0, 32)
+        kb, vb = k.buffers()[0], v.buffers()[0]
+        key = (kb.uid, vb.uid)
+        bgp = self.bg_part.get(key)
+        if bgp is None:
+            if len(self.bg_part) >= 16:  # caches of many layers: keep the latest few
+                self.bg_part.pop(next(iter(self.bg_part)))
+            bgp = self.bg_part[key] = self.ctx.device.create_bind_group(
+                layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
+                                                for j, b in enumerate((self.pparams, self.q, kb, vb, self.plan,
+                                                                       self.po, self.pml))])
+        cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
+        cp.set_pipeline(self.p_part[0])
+        cp.set_bind_group(0, bgp)
+        cp.dispatch_workgroups_indirect(self.args, 0)
+        self._dispatch(cp, self.p_merge[0], self.bg_merge, self.grids["merge"])
+        cp.end()
+
+    @staticmethod
+    def _dispatch(cp, pipe, bgroup, grid) -> None:
+        cp.set_pipeline(pipe)
+        cp.set_bind_group(0, bgroup)
+        cp.dispatch_workgroups(grid[0], grid[1], 1)
+
+    # GPU time of the two passes when the backend records timestamps (timestamps=True)
+    def _ts(self, i: int):
+        qs = getattr(self, "_qset", None)
+        if qs is None:
+            return None
+        return {"query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1}
+
+    def _timing_setup(self):
+        import wgpu
+
+        want = self.be._opts.get("timestamps") and "timestamp-query" in self.ctx.features
+        if want and getattr(self, "_qset", None) is None:
+            dev = self.ctx.device
+            self._qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=4)
+            self._tsbuf = self._buffer(32, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
+            self._tsrb = self._buffer(32, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "ts.rb")
+        return want
+
+    def _timings(self, enc) -> None:
+        if getattr(self, "_qset", None) is not None:
+            enc.resolve_query_set(self._qset, 0, 4, self._tsbuf, 0)
+            enc.copy_buffer_to_buffer(self._tsbuf, 0, self._tsrb, 0, 32)
+
+    def _read_timings(self, t: dict) -> None:
+        import wgpu
+
+        if getattr(self, "_qset", None) is None:
+            return
+        self._tsrb.map_sync(wgpu.MapMode.READ)
+        ts = np.frombuffer(self._tsrb.read_mapped(0, 32), dtype=np.uint64).astype(np.int64)
+        self._tsrb.unmap()
+        k = self.ctx.ns_per_tick * 1e-9
+        t.update(gpu_invert_s=float(ts[1] - ts[0]) * k, gpu_attention_s=float(ts[3] - ts[2]) * k,
+                 gpu_total_s=float(ts[3] - ts[0]) * k)
+
+    def _run_locked(self, fn, q, k, v, sel):
+        import wgpu
+
+        self._live()
+        t0 = time.perf_counter()
+        L = self.layout
+        dev = self.ctx.device
+        timings: dict = {"path": "device"}
+        device_out = isinstance(q, DeviceArray)
+        if self.empty:
+            return self._empty(fn, device_out, L)
+        for a in (k, v):
+            a.buffers()  # raises now if released or from a lost device
+        timed = self._timing_setup()
+        with device_errors(f"{fn} ({self.geometry['kernel']} kernel)", Tq=self.Tq, edges=self.emax):
+            enc = dev.create_command_encoder(label="paged_sparse_attn.layer")
+            self._encode(enc, q, k, v, sel)
+            if device_out:
+                res_buf = dev.create_buffer(size=CallResult.nbytes(self.Tq, self.Hq, self.D),
+                                            usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+                                            | wgpu.BufferUsage.COPY_DST, label="results")
+                dst, off = res_buf, 0
+            else:
+                dst, off = self.rb, 0
+            enc.copy_buffer_to_buffer(self.out, 0, dst, off, self.o_bytes)
+            enc.copy_buffer_to_buffer(self.oml, 0, dst, off + self.o_bytes, self.ml_bytes)
+            enc.copy_buffer_to_buffer(self.args, 48, dst, off + self.o_bytes + self.ml_bytes, 8)
+            if timed:
+                self._timings(enc)
+            t1 = time.perf_counter()
+            dev.queue.submit([enc.finish()])
+            t2 = time.perf_counter()
+            if device_out:
+                self.be.last_timings = dict(timings, encode_s=t1 - t0, submit_s=t2 - t1, total_s=t2 - t0)
+                res = CallResult(self.be, res_buf, self.Tq, self.Hq, self.D, fn=fn, num_kv_heads=L.num_kv_heads,
+                                 msb=L.msb, generation=self.generation)
+                return res.out, res.lse
+            n = self.o_bytes + self.ml_bytes + 8
+            self.rb.map_sync(wgpu.MapMode.READ, 0, n)
+            try:
+                raw = np.frombuffer(self.rb.read_mapped(0, n, copy=False), dtype=np.uint8)
+                err = raw[self.o_bytes + self.ml_bytes:].view(np.uint32)
+                if int(err[0]):
+                    raise SpecError(error_message(fn, int(err[0]), int(err[1]), L.num_kv_heads, L.msb), "R6")
+                out = raw[:self.o_bytes].view(np.float32).reshape(self.Tq, self.Hq, self.D).copy()
+                lse = lse_from_ml(raw[self.o_bytes:self.o_bytes + self.ml_bytes].view(np.float32).reshape(-1, 2))
+            finally:
+                self.rb.unmap()
+            t3 = time.perf_counter()
+            timings.update(encode_s=t1 - t0, submit_s=t2 - t1, wait_readback_s=t3 - t2, total_s=t3 - t0)
+            self._read_timings(timings)
+            self.be.last_timings = timings
+            return out, lse.reshape(self.Tq, self.Hq)
+
+    def _empty(self, fn, device_out: bool, L: BatchLayout):
+        """No slot to attend (Tq = 0 or topk = 0): out = 0, lse = -inf (R11)."""
+        import wgpu
+
+        Tq, Hq, D = L.num_queries, L.num_q_heads, L.head_dim
+        if not device_out:
+            return np.zeros((Tq, Hq, D), np.float32), np.full((Tq, Hq), -np.inf, np.float32)
+        buf = self.ctx.device.create_buffer(size=CallResult.nbytes(Tq, Hq, D),
+                                            usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC, label="results")
+        res = CallResult(self.be, buf, Tq, Hq, D, fn=fn, num_kv_heads=L.num_kv_heads, msb=L.msb,
+                         generation=self.generation)  # WebGPU zero-fills: out 0, l 0 (lse -inf), no error
+        return res.out, res.lse
+
+    # --- the index alone (R29) -------------------------------------------------------------------
+
+    def kvouter_index(self, sel) -> KVOuterIndex:
+        from ..host_runtime import HostRuntime
+
+        L = self.layout
+        if self.empty:
+            return HostRuntime(self.be, L).kvouter_index(np.full((L.num_queries, L.num_kv_heads, L.topk), -1, np.int32))
+        with self.be._lock:
+            self._live()
+            dev = self.ctx.device
+            fn = "AttentionPlan.kvouter_index"
+            with device_errors(fn, Tq=self.Tq, edges=self.emax):
+                enc = dev.create_command_encoder(label="paged_sparse_attn.kvouter_index")
+                self._encode(enc, None, None, None, sel, attention=False)
+                dev.queue.submit([enc.finish()])
+                edges = np.frombuffer(dev.queue.read_buffer(self.edges, 0, 24 * self.emax), np.int32).reshape(6, -1)
+                merge = np.frombuffer(dev.queue.read_buffer(self.merge, 0, 4 * (self.R + 1 + self.emax)), np.int32)
+                err = np.frombuffer(dev.queue.read_buffer(self.args, 48, 8), np.uint32)
+        if int(err[0]):
+            raise SpecError(error_message(fn, int(err[0]), int(err[1]), L.num_kv_heads, L.msb), "R6")
+        E = int(merge[self.R])
+        e_t, e_h, e_b, e_s, e_rank, e_len = (np.ascontiguousarray(edges[i, :E]) for i in range(6))
+        # slot groups: runs of equal (h, b, s) in edge order (the host index's definition)
+        key = (e_h.astype(np.int64) * L.num_seqs + e_b) * L.msb + e_s
+        starts = np.flatnonzero(run_starts(key))
+        slot_ptr = np.append(starts, E).astype(np.int32)
+        return KVOuterIndex(
+            edge_query=e_t, edge_head=e_h, edge_seq=e_b, edge_block=e_s, edge_rank=e_rank, edge_len=e_len,
+            slot_ptr=slot_ptr, slot_head=e_h[starts], slot_seq=e_b[starts], slot_block=e_s[starts],
+            row_ptr=np.ascontiguousarray(merge[:self.R + 1]), row_edges=np.ascontiguousarray(merge[self.R + 1:self.R + 1 + E]),
+            block_tables=L.block_tables, cu_seqlens_q=L.cu_seqlens_q, used_kv_lens=L.used_kv_lens,
+            num_queries=L.num_queries, num_kv_heads=L.num_kv_heads, block_size=L.block_size,
+            page_size=L.page_size, msb=L.msb, causal=L.causal)
+
+    def run_sparse(self, q, k, v, index_q, index_k_cache):
+        return self._fallback().run_sparse(q, k, v, index_q, index_k_cache)

@@ -1,0 +1,210 @@
+"""Device arrays of the wgpu backend other than paged caches: queries, selections, outputs (R26).
+
+A :class:`WgpuTensor` is one dense C-ordered array in one device buffer (or a range of one). The
+results of a device-resident call (``out``, ``lse``) share one buffer per call: ``out`` as
+float32, the combine's ``(m, l)`` pairs for ``lse`` (``lse = m + ln l``, ``-inf`` where ``l = 0``,
+turned into natural-log LSE when read), and the call's R6 error words of a device-resident
+selection, which every read checks first (R27): a selection that broke R6 raises
+:class:`~paged_sparse_attn.SpecError` when its results first reach the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..._types import DeviceArray
+from ...errors import DeviceError, SpecError
+from ._device import destroy_all, device_errors
+
+__all__ = ["WgpuTensor", "CallResult", "error_message"]
+
+ERR_RANGE = 1
+ERR_DUPLICATE = 2
+
+
+def error_message(fn: str, bits: int, first_row_word: int, num_kv_heads: int, msb: int) -> str:
+    """The SpecError text of the R6 error words written by ``psa_invert.wgsl``."""
+    row = 0xFFFFFFFF - int(first_row_word)
+    t, h = divmod(row, max(1, num_kv_heads))
+    what = []
+    if bits & ERR_RANGE:
+        what.append(f"a block id outside [-1, msb={msb})")
+    if bits & ERR_DUPLICATE:
+        what.append("a repeated block id")
+    return (f"{fn}(): the device-resident selected has {' and '.join(what)}; first in row [{t}, {h}]. "
+            "Ids must lie in [-1, msb) and be unique per row; the results of this call are not "
+            "attention [R6]")
+
+
+class WgpuTensor(DeviceArray):
+    """A dense array held by a :class:`~paged_sparse_attn.backends.wgpu.WgpuBackend`.
+
+    Made by ``backend.asarray(x)`` (a copy of a host array) or returned by a device-resident
+    call. ``numpy()`` copies it back to the host.
+
+    Attributes
+    ----------
+    shape : tuple of int
+    dtype : numpy.dtype
+    backend : WgpuBackend
+    """
+
+    def __init__(self, backend: Any, buffer: Any, shape: tuple, dtype: Any, *, offset: int = 0,
+                 generation: int, owner: "CallResult | None" = None, label: str = "array"):
+        self.backend = backend
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self._buffer = buffer
+        self._offset = int(offset)
+        self._generation = generation
+        self._owner = owner
+        self._label = label
+        if owner is None:  # a call's results are freed with their CallResult
+            self._finalizer = weakref.finalize(self, destroy_all, [buffer])
+            self._finalizer.atexit = False
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def buffer(self) -> Any:
+        """The device buffer; raises DeviceError when released or from a lost device."""
+        if self._buffer is None or (self._owner is not None and self._owner.released):
+            raise DeviceError(f"wgpu backend: {self._label} was released")
+        if self._generation != self.backend._generation:
+            raise DeviceError(f"wgpu backend: {self._label} belongs to a device that was lost or closed")
+        return self._buffer
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def numpy(self) -> np.ndarray:
+        """Copy to the host (waits for the work that writes it). Raises SpecError (R6) if the
+        call that made it ran on a device-resident selection that broke R6."""
+        if self._owner is not None:
+            return self._owner.read(self)
+        with self.backend._lock:
+            raw = self.backend._read_range(self.buffer(), self._offset, self.nbytes)
+        return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape).copy()
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def release(self) -> None:
+        """Free the device memory now (also happens when the array is garbage collected)."""
+        if self._owner is not None:
+            self._owner.release()
+            return
+        with self.backend._lock:
+            self._buffer = None
+        self._finalizer()
+
+    @property
+    def released(self) -> bool:
+        return self._buffer is None or (self._owner is not None and self._owner.released)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "on device"
+        return f"<WgpuTensor {self._label} shape={self.shape} dtype={self.dtype.name} {state}>"
+
+
+class CallResult:
+    """The one buffer of a device-resident call's results: out | (m, l) | error words.
+
+    Parameters
+    ----------
+    backend : WgpuBackend
+    buffer : GPUBuffer
+    Tq, Hq, D : int
+    fn : str
+        The public function, for messages.
+    num_kv_heads, msb : int
+        For the R6 message.
+    """
+
+    def __init__(self, backend, buffer, Tq: int, Hq: int, D: int, *, fn: str, num_kv_heads: int, msb: int,
+                 generation: int):
+        self.backend = backend
+        self._buffer = buffer
+        self.rows = Tq * Hq
+        self.o_bytes = self.rows * D * 4
+        self.ml_bytes = self.rows * 8
+        self.err_offset = self.o_bytes + self.ml_bytes
+        self.fn, self.num_kv_heads, self.msb = fn, num_kv_heads, msb
+        self._host: np.ndarray | None = None
+        self._finalizer = weakref.finalize(self, destroy_all, [buffer])
+        self._finalizer.atexit = False
+        self.out = WgpuTensor(backend, buffer, (Tq, Hq, D), np.float32, generation=generation, owner=self,
+                              label="out")
+        self.lse = WgpuTensor(backend, buffer, (Tq, Hq), np.float32, offset=self.o_bytes, generation=generation,
+                              owner=self, label="lse")
+
+    @staticmethod
+    def nbytes(Tq: int, Hq: int, D: int) -> int:
+        return Tq * Hq * D * 4 + Tq * Hq * 8 + 16
+
+    @property
+    def released(self) -> bool:
+        return self._buffer is None
+
+    def release(self) -> None:
+        with self.backend._lock:
+            self._buffer = None
+        self._finalizer()
+
+    def _raw(self) -> np.ndarray:
+        if self._host is None:
+            if self._buffer is None:
+                raise DeviceError(f"wgpu backend: the results of {self.fn}() were released")
+            with self.backend._lock:
+                buf = self.out.buffer()
+                raw = self.backend._read_range(buf, 0, self.err_offset + 8)
+            self._host = np.frombuffer(raw, dtype=np.uint8).copy()
+        return self._host
+
+    def check(self) -> None:
+        """Raise SpecError (R6) if the call's device-resident selection broke R6."""
+        err = self._raw()[self.err_offset:self.err_offset + 8].view(np.uint32)
+        if int(err[0]):
+            raise SpecError(error_message(self.fn, int(err[0]), int(err[1]), self.num_kv_heads, self.msb), "R6")
+
+    def read(self, t: WgpuTensor) -> np.ndarray:
+        raw = self._raw()
+        self.check()
+        if t is self.out:
+            return raw[:self.o_bytes].view(np.float32).reshape(t.shape).copy()
+        ml = raw[self.o_bytes:self.err_offset].view(np.float32).reshape(-1, 2)
+        return lse_from_ml(ml).reshape(t.shape)
+
+
+def lse_from_ml(ml: np.ndarray) -> np.ndarray:
+    """Natural-log LSE from the combine's ``(m, l)`` rows: ``m + ln l``, ``-inf`` where ``l = 0``
+    (a NaN ``l``, from NaN or Inf in attended data, gives NaN, as in the reference)."""
+    l = ml[:, 1].astype(np.float64)  # noqa: E741
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.where(l != 0, ml[:, 0].astype(np.float64) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
+    return lse.astype(np.float32)
+
+
+def upload(backend, ctx, x: np.ndarray, label: str) -> WgpuTensor:
+    """A WgpuTensor holding a copy of host array ``x`` (any dtype numpy can view as bytes)."""
+    import wgpu
+
+    arr = np.ascontiguousarray(x)
+    raw = arr.reshape(-1).view(np.uint8)
+    pad = max(16, raw.nbytes + (-raw.nbytes) % 4)
+    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    with device_errors(f"upload of {label}", bytes=raw.nbytes):
+        buf = ctx.device.create_buffer(size=pad, usage=usage, label=label)
+        if raw.nbytes:
+            ctx.device.queue.write_buffer(buf, 0, raw)
+    return WgpuTensor(backend, buf, arr.shape, arr.dtype, generation=backend._generation, label=label)
