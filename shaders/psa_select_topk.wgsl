@@ -28,9 +28,12 @@
 // Override constants
 //   WG   workgroup size
 //   CAP  chosen candidates ranked in workgroup memory (8 bytes each)
+//   KEYS 1: `scores` holds the u32 keys of psa_block_scores.wgsl instead of float32 bits (a
+//        device-resident MSA layer feeds the block scores straight in; key_bits decodes them)
 
 override WG: u32 = 64u;
 override CAP: u32 = 1024u;
+override KEYS: u32 = 0u;  // 1: `scores` holds psa_block_scores.wgsl keys (the device-resident layer)
 const INVALID_ID: u32 = 0xffffffffu;  // no local block
 
 struct Params {
@@ -59,8 +62,25 @@ var<workgroup> rem: u32;  // rank still to find within the current prefix (threa
 var<workgroup> c_key: array<u32, CAP>;
 var<workgroup> c_id: array<u32, CAP>;
 
-// Rank key of a float32 score (bits): 0 = never a candidate (NaN, -inf).
-fn score_key(b: u32) -> u32 {
+// float32 bits of a block-score key of psa_block_scores.wgsl (KEYS = 1): 0 = nothing visible
+// (-inf), 0xffffffff = NaN, else the inverse of its order-preserving map
+fn key_bits(k: u32) -> u32 {
+    if (k == 0u) {
+        return 0xff800000u;
+    }
+    if (k == 0xffffffffu) {
+        return 0x7fc00000u;
+    }
+    return select(~k, k & 0x7fffffffu, (k & 0x80000000u) != 0u);
+}
+
+// Rank key of a float32 score (bits, or a block-score key when KEYS = 1): 0 = never a
+// candidate (NaN, -inf).
+fn score_key(raw: u32) -> u32 {
+    var b = raw;
+    if (KEYS == 1u) {
+        b = key_bits(raw);
+    }
     let mag = b & 0x7fffffffu;
     if (mag > 0x7f800000u || b == 0xff800000u) {
         return 0u;

@@ -8,6 +8,9 @@ from typing import Any
 import numpy as np
 
 from .._api import check_capabilities, check_owner
+from .._attention_plan import cached_plan
+from .._layout import layout_of, validate_layout
+from .._types import DeviceArray
 from .._index import build_index_arrays
 
 from .._validation import check_float_array, validate_forward
@@ -137,6 +140,24 @@ def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_le
     return _checked_selection(be, fn, be.select_topk(p), p)
 
 
+def _sparse_planned(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q, *, used_kv_lens,
+                    block_size, topk, causal, softmax_scale, backend, return_lse):
+    """``sparse_attention()`` with device-resident ``q`` or ``index_q`` (R26): through a cached plan."""
+    fn = "sparse_attention"
+    qq = check_float_array(q, fn, "q", 3, allow_device=True)
+    k = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
+    iq = check_float_array(index_q, fn, "index_q", 3, allow_device=True)
+    ik = check_float_array(index_k_cache, fn, "index_k_cache", 4, allow_device=True)
+    Tq, Hq, D = qq.shape
+    Hkv = k.shape[1]
+    lay = validate_layout(fn, block_tables, cu_seqlens_q, used_kv_lens, block_size=block_size, page_size=k.shape[2],
+                          num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, kv_dtype=k.dtype,
+                          topk=check_topk(topk, fn, force_local=True), causal=causal, softmax_scale=softmax_scale,
+                          index_dim=ik.shape[3], num_index_heads=ik.shape[1], index_dtype=ik.dtype)
+    be = resolve_backend(backend, qq, k, v_cache, iq, ik)
+    return cached_plan(lay, be).run_sparse(qq, k, v_cache, iq, ik, return_lse=return_lse)
+
+
 def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q, *,
                      used_kv_lens=None, block_size, topk, causal=True, softmax_scale=None, backend=None,
                      return_lse=False):
@@ -179,6 +200,10 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
         Only with ``return_lse=True``.
     """
     fn = "sparse_attention"
+    if isinstance(q, DeviceArray) or isinstance(index_q, DeviceArray):  # R26: results stay on the device
+        return _sparse_planned(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q,
+                               used_kv_lens=used_kv_lens, block_size=block_size, topk=topk, causal=causal,
+                               softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
     q_ = check_float_array(q, fn, "q", 3)
     k_ = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
     placeholder = np.zeros((q_.shape[0], k_.shape[1], 0), np.int32)  # selection comes later
@@ -194,6 +219,11 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
                        page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
     _index_checks(be, fn, ip)
 
+    if be.plans_forward(p) and isinstance(ip.index_k_cache, DeviceArray):  # one submission per layer (R28)
+        lay = dataclasses.replace(layout_of(p), topk=k, index_dim=ip.index_dim, num_index_heads=ip.num_index_heads,
+                                  index_dtype=np.dtype(ip.index_k_cache.dtype))
+        out, lse = cached_plan(lay, be)._runtime.run_sparse(p.q, p.k_cache, p.v_cache, ip.index_q, ip.index_k_cache)
+        return (out, lse) if return_lse else out
     scores = _checked_scores(be, fn, be.block_scores(ip), ip)
     tp = TopkProblem(scores=scores, topk=k, force_local=True,
                      local_block=local_blocks(p.cu_seqlens_q, p.used_kv_lens, p.block_size))

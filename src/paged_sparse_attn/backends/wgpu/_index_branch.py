@@ -14,6 +14,8 @@ ranks integer keys. Kernel and layout details are in the headers of ``psa_block_
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from ..._types import DeviceArray
@@ -210,16 +212,23 @@ class IndexBranchMixin:
 
     def _block_scores_locked(self, p) -> np.ndarray:
         fn = "block_scores"
+        setup = self._score_setup(p, fn)
+        if setup is None:
+            return np.full((p.num_queries, p.num_kv_heads, p.msb), -np.inf, dtype=np.float32)
+        return self._block_scores_run(p, setup)
+
+    def _score_setup(self, p, fn: str):
+        """Everything of a block-scores call but its index queries: page lists, the pipeline, the
+        per-batch query step and the work-item builder (None when nothing is visible)."""
         Tq, Hkv, d = p.index_q.shape
         msb, BS, S, ppb, Hk, B = p.msb, p.block_size, p.page_size, p.pages_per_block, p.num_index_heads, p.num_seqs
-        out = np.full((Tq, Hkv, msb), -np.inf, dtype=np.float32)
         ik = p.index_k_cache
         resident = isinstance(ik, DeviceArray)
         if resident:
             self._own(ik, fn)
         self._check_cache_dtype(np.dtype(ik.dtype), fn)
         if Tq == 0 or p.num_pages == 0:
-            return out  # no page exists: every block_tables entry is -1, nothing is visible
+            return None  # no page exists: every block_tables entry is -1, nothing is visible
         ctx = self._device()
         DV = -(-d // 4)
         cu = p.cu_seqlens_q.astype(np.int64)
@@ -232,7 +241,7 @@ class IndexBranchMixin:
         col = np.arange(msb * ppb, dtype=np.int64)
         readable = (bt >= 0) & (col[None, :] * S < lens[:, None]) & (T > 0)[:, None]
         if not readable.any():
-            return out
+            return None
         rb, rc = np.nonzero(readable)
         gslab = (bt[rb, rc][:, None] * Hk + np.arange(Hk)[None, :])  # [n, Hk] global slabs
         if resident:
@@ -265,8 +274,6 @@ class IndexBranchMixin:
         f16 = np.dtype(ik.dtype).itemsize == 2
         pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "TK": TK, "WG": SCORES_WG})
 
-        iq = np.zeros((Tq, Hkv, DV * 4), dtype=np.float32)
-        iq[:, :, :d] = p.index_q
         per_q = max(Hkv * DV * 16, Hkv * msb * 4)
         # a batch of queries: its index queries, its outputs and its query_end plus >= 1 work item fit
         step = min(ctx.binding_size // per_q, ctx.binding_size // 4 - 8)
@@ -299,6 +306,18 @@ class IndexBranchMixin:
                             np.full(ri.size, h_off), ((b * msb + ss) * Hk + hk) * ppb, npos[ri, si], ss], axis=1))
             return [np.concatenate(x) if x else np.zeros((0, 8), np.int64) for x in per_chunk]
 
+        return SimpleNamespace(ik=ik, resident=resident, layout=layout, starts=starts, nch=nch, pt=pt, TK=TK, DV=DV,
+                               f16=f16, pipe=pipe, bgl=bgl, step=step, plan=plan, qend=qend)
+
+    def _block_scores_run(self, p, st) -> np.ndarray:
+        Tq, Hkv, d = p.index_q.shape
+        msb, nch, starts, layout, ik, resident, step, plan, qend = (p.msb, st.nch, st.starts, st.layout, st.ik,
+                                                                     st.resident, st.step, st.plan, st.qend)
+        pt, pipe, bgl, DV = st.pt, st.pipe, st.bgl, st.DV
+        ctx = self._device()
+        out = np.full((Tq, Hkv, msb), -np.inf, dtype=np.float32)
+        iq = np.zeros((Tq, Hkv, DV * 4), dtype=np.float32)
+        iq[:, :, :d] = p.index_q
         run = _Run(ctx)
         sizes = dict(Tq=Tq, Hkv=Hkv, msb=msb, d_idx=d, chunks=nch)
         try:

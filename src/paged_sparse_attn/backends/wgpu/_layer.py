@@ -81,10 +81,10 @@ class DeviceRuntime:
 
     # --- construction ---------------------------------------------------------------------------
 
-    def _buffer(self, nbytes: int, usage: int, label: str):
+    def _buffer(self, nbytes: int, usage: int, label: str, owner: list | None = None):
         b = self.ctx.device.create_buffer(size=max(16, int(nbytes) + (-int(nbytes)) % 4), usage=usage,
                                           label=f"plan.{label}")
-        self.bufs.append(b)
+        (self.bufs if owner is None else owner).append(b)
         return b
 
     def _pipeline(self, kernel: str, entry: str, kinds: list, constants: dict):
@@ -192,7 +192,7 @@ class DeviceRuntime:
         rows_grid = _grid(-(-R // INV_WG), maxdim)
         edges_grid = _grid(-(-emax // INV_WG), maxdim)
         slab4 = (S * (-(-D // 4) * 4)) // 4
-        inv = lambda gx: _words(Tq, Hkv, K, msb, BS, ppb, L.block_tables.shape[1], n_flags, G, nh, hpi, epi,  # noqa: E731
+        inv = lambda gx, K=K: _words(Tq, Hkv, K, msb, BS, ppb, L.block_tables.shape[1], n_flags, G, nh, hpi, epi,  # noqa: E731
                                 erec_base, page_base, gx_p, emax, 2 * Tq, 2 * Tq + 2 * B, s1_dst, s1_tiles, nt1,
                                 w2_off, s2_dst, s2_tiles, nt2, gx, slab4, float(L.softmax_scale), 0, 0, 0, 0)
         g1, g2 = _grid(nt1, maxdim), _grid(nt2, maxdim)
@@ -236,6 +236,8 @@ class DeviceRuntime:
         self.bg_merge = bg(self.p_merge[1], [ub(R_MERGE, 32)] + [{"buffer": b} for b in (
             self.po, self.pml, self.merge, self.out, self.oml)])
         self.bg_part: dict = {}
+        self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
+        self.sparse = None  # the index branch's buffers, made by the first run_sparse
         self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
         self.decode = decode
 
@@ -256,8 +258,15 @@ class DeviceRuntime:
             if not self.empty:
                 self._live()
                 self._write_layout(layout)
+                self._drop_sparse()  # its visible blocks and local blocks follow the lengths
+
+    def _drop_sparse(self) -> None:
+        if self.sparse is not None:
+            destroy_all(self.sparse.bufs)
+            self.sparse = None
 
     def close(self) -> None:
+        self._drop_sparse()
         destroy_all(self.bufs)
         self.bufs = []
         self.bg_part = {}
@@ -304,8 +313,8 @@ class DeviceRuntime:
         elif nbytes:
             self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
 
-    def _encode(self, enc, q, k, v, sel, *, attention: bool = True) -> None:
-        L = self.layout
+    def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None) -> None:
+        bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
         if q is not None:
             if isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
                 raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
@@ -316,16 +325,16 @@ class DeviceRuntime:
         enc.clear_buffer(self.work, 0, self.work_bytes)
         enc.clear_buffer(self.args, 48, 16)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
-        self._dispatch(cp, self.p_inv["mark"][0], self.bg_rows, self.grids["rows"])
+        self._dispatch(cp, self.p_inv["mark"][0], bg_rows, self.grids["rows"])
         self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan1, self.grids["scan1"])
         self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan1, (1, 1))
-        self._dispatch(cp, self.p_inv["scatter"][0], self.bg_rows, self.grids["rows"])
+        self._dispatch(cp, self.p_inv["scatter"][0], bg_rows, self.grids["rows"])
         if not self.decode:
-            self._dispatch(cp, self.p_inv["item_flags"][0], self.bg_edges, self.grids["edges"])
+            self._dispatch(cp, self.p_inv["item_flags"][0], bg_edges, self.grids["edges"])
             self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan2, self.grids["scan2"])
             self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan2, (1, 1))
-            self._dispatch(cp, self.p_inv["items"][0], self.bg_edges, self.grids["edges"])
-        self._dispatch(cp, self.p_inv["finalize"][0], self.bg_rows, (1, 1))
+            self._dispatch(cp, self.p_inv["items"][0], bg_edges, self.grids["edges"])
+        self._dispatch(cp, self.p_inv["finalize"][0], bg_rows, (1, 1))
         cp.end()
         if not attention:
             return
@@ -388,7 +397,7 @@ class DeviceRuntime:
         t.update(gpu_invert_s=float(ts[1] - ts[0]) * k, gpu_attention_s=float(ts[3] - ts[2]) * k,
                  gpu_total_s=float(ts[3] - ts[0]) * k)
 
-    def _run_locked(self, fn, q, k, v, sel):
+    def _run_locked(self, fn, q, k, v, sel, sparse=None):
         import wgpu
 
         self._live()
@@ -404,7 +413,10 @@ class DeviceRuntime:
         timed = self._timing_setup()
         with device_errors(f"{fn} ({self.geometry['kernel']} kernel)", Tq=self.Tq, edges=self.emax):
             enc = dev.create_command_encoder(label="paged_sparse_attn.layer")
-            self._encode(enc, q, k, v, sel)
+            if sparse is None:
+                self._encode(enc, q, k, v, sel)
+            else:
+                self._encode_sparse(enc, q, k, v, *sparse)
             if device_out:
                 res_buf = dev.create_buffer(size=CallResult.nbytes(self.Tq, self.Hq, self.D),
                                             usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
@@ -490,5 +502,114 @@ class DeviceRuntime:
             num_queries=L.num_queries, num_kv_heads=L.num_kv_heads, block_size=L.block_size,
             page_size=L.page_size, msb=L.msb, causal=L.causal)
 
+    # --- the whole MSA layer (R25) in one submission ----------------------------------------------
+
     def run_sparse(self, q, k, v, index_q, index_k_cache):
-        return self._fallback().run_sparse(q, k, v, index_q, index_k_cache)
+        fn = "AttentionPlan.run_sparse"
+        L = self.layout
+        ik = index_k_cache
+        host = self._host_path(fn, q, k, v, index_q)
+        if not host and not (isinstance(ik, DeviceArray) and getattr(ik, "layout", None) is not None
+                             and ik.layout.n_chunks == 1):
+            if isinstance(q, DeviceArray) or isinstance(index_q, DeviceArray):
+                raise UnsupportedError(f"{fn}(): backend 'wgpu' runs a device-resident layer on a device-resident "
+                                       "index_k_cache of one storage binding (upload_index_cache()) [R18]")
+            host = True
+        if host or self.empty:
+            return self._fallback().run_sparse(q, k, v, index_q, index_k_cache)
+        with self.be._lock:
+            sp = self._sparse_setup(fn, ik)
+            if isinstance(index_q, DeviceArray) and (L.index_dim % 4 or np.dtype(index_q.dtype) != np.float32):
+                raise UnsupportedError(f"{fn}(): backend 'wgpu' takes a device-resident index_q as float32 with "
+                                       f"index_dim a multiple of 4, got {np.dtype(index_q.dtype).name} and "
+                                       f"{L.index_dim} [R18]")
+            return self._run_locked(fn, q, k, v, None, sparse=(sp, index_q, ik))
+
+    def _sparse_setup(self, fn: str, ik):
+        """The index branch's buffers, made once per index cache layout: page lists, work items,
+        scores, local blocks, the top-k's parameters, and the inversion's records for its output."""
+        import wgpu
+
+        from ...index_branch._types import IndexProblem
+        from ...index_branch._validation import local_blocks
+        from ._index_branch import TOPK, TOPK_CAP, TOPK_WG, PARAM_BYTES as SREC, _record
+        from ._plan import grid_dispatches
+
+        key = ik.buffers()[0].uid
+        if self.sparse is not None and self.sparse.key == key:
+            return self.sparse
+        self._drop_sparse()
+        L, ctx, be = self.layout, self.ctx, self.be
+        Tq, Hkv, msb, d = L.num_queries, L.num_kv_heads, L.msb, L.index_dim
+        seq, hi = query_positions(L.cu_seqlens_q, L.used_kv_lens, L.causal)
+        p = IndexProblem(index_q=np.zeros((Tq, Hkv, d), np.float32), index_k_cache=ik, block_tables=L.block_tables,
+                         cu_seqlens_q=L.cu_seqlens_q, used_kv_lens=L.used_kv_lens, query_seq=seq.astype(np.int32),
+                         query_end=hi.astype(np.int32), block_size=L.block_size,
+                         softmax_scale=1.0 / float(np.sqrt(d)), causal=L.causal)
+        st = be._score_setup(p, fn)
+        if st is not None and st.step < Tq:
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs the block scores of all {Tq} queries in one "
+                                   "storage binding for a device-resident layer; plan fewer queries [R18]")
+        U = wgpu.BufferUsage
+        dev = ctx.device
+        maxdim = ctx.workgroups_per_dim
+        align = self.align
+        k_out = min(L.topk, msb)
+        rows = Tq * Hkv
+        DV = -(-d // 4)
+        sp = SimpleNamespace(key=key, DV=DV, k_out=k_out, bufs=[])
+        sp.iq = self._buffer(rows * DV * 16, U.STORAGE | U.COPY_DST, "index_q", sp.bufs)
+        sp.scores = self._buffer(rows * msb * 4, U.STORAGE | U.COPY_DST, "scores", sp.bufs)
+        sp.scores_bytes = int(sp.scores.size)
+        local = self._buffer(Tq * 4, U.STORAGE | U.COPY_DST, "local_block", sp.bufs)
+        dev.queue.write_buffer(local, 0, local_blocks(L.cu_seqlens_q, L.used_kv_lens, L.block_size).astype(np.int32))
+        records, calls = [], []
+        if st is not None:
+            items = st.plan(0, Tq)[0]
+            pages = self._buffer(st.pt.nbytes, U.STORAGE | U.COPY_DST, "pages", sp.bufs)
+            dev.queue.write_buffer(pages, 0, st.pt)
+            words = np.concatenate([st.qend.astype(np.int32).view(np.uint32), items.astype(np.uint32).reshape(-1)])
+            splan = self._buffer(words.nbytes, U.STORAGE | U.COPY_DST, "score.items", sp.bufs)
+            dev.queue.write_buffer(splan, 0, words)
+            kbuf = ik.buffers()[0]
+            for f2, cnt, gx, gy in grid_dispatches(items.shape[0], maxdim):
+                records.append(_record(f2, cnt, gx, Tq, Hkv, msb, float(p.softmax_scale), 0, int(st.starts[1])))
+                calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
+        cap = min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
+        tpipe, tbgl = be._ib_pipeline(TOPK, 3, False, {"WG": TOPK_WG, "CAP": cap, "KEYS": 1})
+        lo_passes = -(-int(msb - 1).bit_length() // 8)
+        for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
+            records.append(_record(f2, cnt, gx, msb, k_out, Hkv, lo_passes))
+            calls.append((tpipe, tbgl, [sp.scores, local, self.sel], gx, gy))
+        n = len(records)
+        consts = np.zeros((n + 2, align // 4), np.uint32)
+        for i, r in enumerate(records):
+            consts[i, :r.shape[0]] = r
+        consts[n, :32] = self._inv_record(self.grids["rows"][0], K=k_out)
+        consts[n + 1, :32] = self._inv_record(self.grids["edges"][0], K=k_out)
+        cbuf = self._buffer(consts.nbytes, U.UNIFORM | U.COPY_DST, "score.consts", sp.bufs)
+        dev.queue.write_buffer(cbuf, 0, consts)
+        sp.calls = []
+        for i, (pipe, bgl, res, gx, gy) in enumerate(calls):
+            entries = [{"buffer": cbuf, "offset": i * align, "size": SREC}] + [{"buffer": b} for b in res]
+            sp.calls.append((pipe, self._bg(bgl, entries), (gx, gy)))
+        bgl_inv = self.p_inv["mark"][1]
+        sub = lambda i: [{"buffer": cbuf, "offset": i * align, "size": 128}] + self._inv_res(0)[1:]  # noqa: E731
+        sp.groups = (self._bg(bgl_inv, sub(n)), self._bg(bgl_inv, sub(n + 1)))
+        self.sparse = sp
+        return sp
+
+    def _encode_sparse(self, enc, q, k, v, sp, index_q, ik) -> None:
+        L = self.layout
+        if isinstance(index_q, DeviceArray):
+            enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
+        else:
+            iq = np.zeros((L.num_queries, L.num_kv_heads, sp.DV * 4), np.float32)
+            iq[:, :, :L.index_dim] = index_q
+            self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
+        enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
+        cp = enc.begin_compute_pass()
+        for pipe, bgroup, grid in sp.calls:  # block scores, then the top-k into the plan's selection
+            self._dispatch(cp, pipe, bgroup, grid)
+        cp.end()
+        self._encode(enc, q, k, v, None, groups=sp.groups)
