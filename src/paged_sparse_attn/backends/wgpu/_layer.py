@@ -34,6 +34,7 @@ from ...errors import SpecError, UnsupportedError
 from ._device import destroy_all, device_errors
 from ._shaders import shader_source
 from ._tensors import CallResult, error_message, lse_from_ml
+from ._transfer import map_read
 
 __all__ = ["DeviceRuntime"]
 
@@ -76,8 +77,24 @@ class DeviceRuntime:
         self.bufs: list = []
         self.layout = layout
         self.fallback = None  # a HostRuntime for calls the device path cannot take
+        self.sparse = None  # the index branch's buffers, made by the first run_sparse
+        self.bg_part: dict = {}
         with backend._lock:
-            self._build(layout)
+            try:
+                with device_errors("plan_attention (device buffers and pipelines)"):
+                    self._build(layout)
+            except BaseException as exc:
+                self.close()
+                self._after_error(exc)
+                raise
+
+    def _after_error(self, exc: BaseException) -> None:
+        """The backend's device-loss policy: a lost device is closed, so that the next call opens
+        a new one (device arrays of the old one then say they must be uploaded again)."""
+        from ...errors import DeviceError
+
+        if isinstance(exc, DeviceError) and self.be._device_lost():
+            self.be.close()
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -237,7 +254,6 @@ class DeviceRuntime:
             self.po, self.pml, self.merge, self.out, self.oml)])
         self.bg_part: dict = {}
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
-        self.sparse = None  # the index branch's buffers, made by the first run_sparse
         self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
         self.decode = decode
 
@@ -304,7 +320,11 @@ class DeviceRuntime:
         if self._host_path(fn, q, k, v, sel):
             return self._fallback().run(q, k, v, sel)
         with self.be._lock:
-            return self._run_locked(fn, q, k, v, sel)
+            try:
+                return self._run_locked(fn, q, k, v, sel)
+            except BaseException as exc:
+                self._after_error(exc)
+                raise
 
     def _stage(self, enc, src, dst, nbytes: int, dtype) -> None:
         """Copy a layer's tensor into a plan buffer: a device copy, or one write for a host array."""
@@ -438,16 +458,16 @@ class DeviceRuntime:
                                  msb=L.msb, generation=self.generation)
                 return res.out, res.lse
             n = self.o_bytes + self.ml_bytes + 8
-            self.rb.map_sync(wgpu.MapMode.READ, 0, n)
             try:
-                raw = np.frombuffer(self.rb.read_mapped(0, n, copy=False), dtype=np.uint8)
+                raw = np.frombuffer(map_read(self.rb, n), dtype=np.uint8)
                 err = raw[self.o_bytes + self.ml_bytes:].view(np.uint32)
                 if int(err[0]):
                     raise SpecError(error_message(fn, int(err[0]), int(err[1]), L.num_kv_heads, L.msb), "R6")
                 out = raw[:self.o_bytes].view(np.float32).reshape(self.Tq, self.Hq, self.D).copy()
                 lse = lse_from_ml(raw[self.o_bytes:self.o_bytes + self.ml_bytes].view(np.float32).reshape(-1, 2))
             finally:
-                self.rb.unmap()
+                if self.rb.map_state != "unmapped":
+                    self.rb.unmap()
             t3 = time.perf_counter()
             timings.update(encode_s=t1 - t0, submit_s=t2 - t1, wait_readback_s=t3 - t2, total_s=t3 - t0)
             self._read_timings(timings)
@@ -523,7 +543,11 @@ class DeviceRuntime:
                 raise UnsupportedError(f"{fn}(): backend 'wgpu' takes a device-resident index_q as float32 with "
                                        f"index_dim a multiple of 4, got {np.dtype(index_q.dtype).name} and "
                                        f"{L.index_dim} [R18]")
-            return self._run_locked(fn, q, k, v, None, sparse=(sp, index_q, ik))
+            try:
+                return self._run_locked(fn, q, k, v, None, sparse=(sp, index_q, ik))
+            except BaseException as exc:
+                self._after_error(exc)
+                raise
 
     def _sparse_setup(self, fn: str, ik):
         """The index branch's buffers, made once per index cache layout: page lists, work items,

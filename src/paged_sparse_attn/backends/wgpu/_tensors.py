@@ -91,6 +91,9 @@ class WgpuTensor(DeviceArray):
         call that made it ran on a device-resident selection that broke R6."""
         if self._owner is not None:
             return self._owner.read(self)
+        if self.nbytes == 0:
+            self.buffer()  # (released or lost: raise as for any other read)
+            return np.zeros(self.shape, dtype=self.dtype)
         with self.backend._lock:
             raw = self.backend._read_range(self.buffer(), self._offset, self.nbytes)
         return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape).copy()

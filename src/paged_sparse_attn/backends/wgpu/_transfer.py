@@ -21,7 +21,7 @@ import numpy as np
 
 from ._device import destroy_all
 
-__all__ = ["CallBuffers", "bind_group"]
+__all__ = ["CallBuffers", "bind_group", "map_read"]
 
 ALIGN = 256  # pooled sizes are rounded up to this (and grown by 1.5x) so that small growth reuses
 
@@ -82,18 +82,8 @@ class CallBuffers:
 
     def map_read(self, buf, nbytes: int) -> memoryview:
         """Map ``buf`` (waits for the submitted work) and view its first ``nbytes`` (no copy)."""
-        global _NOSYNC
         self.mapped.append(buf)
-        if _NOSYNC:
-            try:
-                buf.map_sync("READ_NOSYNC", 0, nbytes)
-            except (ValueError, KeyError, TypeError, AttributeError):  # a wgpu-py without it: checked before mapping
-                _NOSYNC = False
-        if not _NOSYNC:
-            import wgpu
-
-            buf.map_sync(wgpu.MapMode.READ, 0, nbytes)
-        return buf.read_mapped(0, nbytes, copy=False)
+        return map_read(buf, nbytes)
 
     def close(self) -> None:
         """Unmap what this call mapped and destroy what it made; never raises."""
@@ -105,6 +95,22 @@ class CallBuffers:
                 pass
         destroy_all(self.owned)
         self.mapped, self.owned = [], []
+
+
+def map_read(buf, nbytes: int) -> memoryview:
+    """Map ``buf`` for reading (waits for the submitted work that writes it) and view its first
+    ``nbytes`` without a copy; the caller unmaps."""
+    global _NOSYNC
+    if _NOSYNC:
+        try:
+            buf.map_sync("READ_NOSYNC", 0, nbytes)
+        except (ValueError, KeyError, TypeError, AttributeError):  # a wgpu-py without it: checked before mapping
+            _NOSYNC = False
+    if not _NOSYNC:
+        import wgpu
+
+        buf.map_sync(wgpu.MapMode.READ, 0, nbytes)
+    return buf.read_mapped(0, nbytes, copy=False)
 
 
 # wgpu-py maps in READ mode only after submitting an empty command buffer (a workaround for maps
