@@ -84,3 +84,15 @@ def test_index_suite_quick_runs_every_backend(tmp_path):
     res = json.loads(path.read_text())
     (row,) = res["rows"]
     assert row["numpy_s"] > 0 and row["wgpu_s"] > 0
+
+
+def test_layer_suite_quick_times_the_plan_loops(tmp_path):
+    """The layer suite's code path on the wgpu backend (lavapipe in CI): every loop is timed and
+    the pass split of a call comes from timestamps where the device has them."""
+    path = tmp_path / "layer.json"
+    assert bench.main(["--suite", "layer", "--quick", "--backend", "wgpu", "--repeat", "1", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    (row,) = [r for r in res["rows"] if r["impl"] == "wgpu"]
+    for k in ("attention_s", "attention_synced_s", "layer_s", "layer_synced_s", "forward_numpy_s"):
+        assert row[k] > 0, (k, row)
+    assert row["kernel"] == "decode"

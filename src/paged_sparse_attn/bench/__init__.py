@@ -11,6 +11,10 @@ gpu
     importable, to peers (dense SDPA, gather+SDPA, FlexAttention) on the same problems.
 index
     The index branch (block_scores + select_topk) against torch matmul + amax + topk.
+layer
+    What a model runs per layer, in wall time: a loop of layers through a plan (attention given
+    the selection, and the whole MSA layer), pipelined and synchronised per call, ``forward()``
+    with host arrays, beside the same loops in torch (:mod:`.layer`).
 
 Numbers are measured, never assumed; nothing here asserts a time.
 """
@@ -71,8 +75,12 @@ def run(suite: str = "cpu", *, quick: bool = False, backends: Sequence[str] | No
         from .index_branch import run_index
 
         res = run_index(quick=quick, backends=backends, repeat=repeat, progress=progress)
+    elif suite == "layer":
+        from .layer import run_layer
+
+        res = run_layer(quick=quick, backends=backends, repeat=repeat, progress=progress)
     else:
-        raise ValueError(f"unknown suite {suite!r} (cpu, gpu, index)")
+        raise ValueError(f"unknown suite {suite!r} (cpu, gpu, index, layer)")
     return {**meta, **res}
 
 
@@ -97,7 +105,7 @@ def format_table(result: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit code."""
     ap = argparse.ArgumentParser(prog="paged-sparse-attn bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--suite", choices=["cpu", "gpu", "index"], default="cpu")
+    ap.add_argument("--suite", choices=["cpu", "gpu", "index", "layer"], default="cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes, one repeat (a smoke test)")
     ap.add_argument("--backend", action="append", help="device backends to run (default: every available)")
     ap.add_argument("--repeat", type=int, default=None)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["torch_available", "cuda_time", "copy_bandwidth", "PEERS"]
+__all__ = ["torch_available", "cuda_time", "copy_bandwidth", "gather_sdpa_fn", "PEERS"]
 
 
 def _dev() -> str:
@@ -122,12 +122,10 @@ def dense_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) ->
     return cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), repeat)
 
 
-def gather_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -> float:
-    """torch: gather the selected blocks' pages of every (query, KV head), then SDPA per query.
-
-    Decode-shaped: one query per sequence; the gathered K/V is [Tq, Hkv, topk*BS, D]. Timed:
-    the gather (index_select over pages) plus SDPA, both on the GPU.
-    """
+def gather_sdpa_fn(problem: dict, dtype_name: str = "bfloat16"):
+    """torch gather+SDPA of ``problem``'s selection as a callable ``run(q)`` (q [Tq, Hq, D] on the
+    peer device), and the problem's q there: the gather of the selected blocks' pages of every
+    (query, KV head), then SDPA per query, both on the GPU."""
     import torch
     import torch.nn.functional as F
 
@@ -147,14 +145,23 @@ def gather_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -
     heads = torch.arange(Hkv, device=_dev())[None, :, None, None].expand_as(pages)
     valid = torch.as_tensor(np.repeat((sel >= 0)[..., None], ppb * S, -1).reshape(Tq, Hkv, -1), device=_dev())
     G = q.shape[1] // Hkv
-    qh = q.view(Tq, Hkv, G, D)
 
-    def run():
+    def run(qq):
         k = kc[pages, heads].reshape(Tq, Hkv, K * BS, D)  # gather [Tq, Hkv, K*BS, D]
         v = vc[pages, heads].reshape(Tq, Hkv, K * BS, D)
-        return F.scaled_dot_product_attention(qh, k, v, attn_mask=valid[:, :, None, :])
+        return F.scaled_dot_product_attention(qq.view(Tq, Hkv, G, D), k, v, attn_mask=valid[:, :, None, :])
 
-    return cuda_time(run, repeat)
+    return run, q
+
+
+def gather_sdpa(problem: dict, dtype_name: str = "bfloat16", repeat: int = 20) -> float:
+    """torch: gather the selected blocks' pages of every (query, KV head), then SDPA per query.
+
+    Decode-shaped: one query per sequence; the gathered K/V is [Tq, Hkv, topk*BS, D]. Timed:
+    the gather (index_select over pages) plus SDPA, both on the GPU (:func:`gather_sdpa_fn`).
+    """
+    run, q = gather_sdpa_fn(problem, dtype_name)
+    return cuda_time(lambda: run(q), repeat)
 
 
 def flex_blockmask(problem: dict, dtype_name: str = "bfloat16", repeat: int = 10) -> float:

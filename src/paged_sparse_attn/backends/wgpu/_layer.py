@@ -395,27 +395,31 @@ class DeviceRuntime:
         want = self.be._opts.get("timestamps") and "timestamp-query" in self.ctx.features
         if want and getattr(self, "_qset", None) is None:
             dev = self.ctx.device
-            self._qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=4)
-            self._tsbuf = self._buffer(32, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
-            self._tsrb = self._buffer(32, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "ts.rb")
+            self._qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=6)
+            self._tsbuf = self._buffer(48, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
+            self._tsrb = self._buffer(48, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "ts.rb")
         return want
 
-    def _timings(self, enc) -> None:
+    def _timings(self, enc, sparse: bool) -> None:
         if getattr(self, "_qset", None) is not None:
-            enc.resolve_query_set(self._qset, 0, 4, self._tsbuf, 0)
-            enc.copy_buffer_to_buffer(self._tsbuf, 0, self._tsrb, 0, 32)
+            n = 6 if sparse else 4
+            enc.resolve_query_set(self._qset, 0, n, self._tsbuf, 0)
+            enc.copy_buffer_to_buffer(self._tsbuf, 0, self._tsrb, 0, 8 * n)
 
-    def _read_timings(self, t: dict) -> None:
-        import wgpu
-
+    def _read_timings(self, t: dict, sparse: bool) -> None:
+        """GPU seconds of the passes of the last call (``timestamps=True``): ``gpu_index_s`` (block
+        scores and top-k), ``gpu_invert_s`` (the inversion), ``gpu_attention_s`` (partials and
+        combine), ``gpu_total_s`` (first pass start to last pass end)."""
         if getattr(self, "_qset", None) is None:
             return
-        self._tsrb.map_sync(wgpu.MapMode.READ)
-        ts = np.frombuffer(self._tsrb.read_mapped(0, 32), dtype=np.uint64).astype(np.int64)
+        n = 6 if sparse else 4
+        ts = np.frombuffer(map_read(self._tsrb, 8 * n), dtype=np.uint64).astype(np.int64).copy()
         self._tsrb.unmap()
         k = self.ctx.ns_per_tick * 1e-9
         t.update(gpu_invert_s=float(ts[1] - ts[0]) * k, gpu_attention_s=float(ts[3] - ts[2]) * k,
-                 gpu_total_s=float(ts[3] - ts[0]) * k)
+                 gpu_total_s=float(ts[3] - (ts[4] if sparse else ts[0])) * k)
+        if sparse:
+            t["gpu_index_s"] = float(ts[5] - ts[4]) * k
 
     def _run_locked(self, fn, q, k, v, sel, sparse=None):
         import wgpu
@@ -448,7 +452,7 @@ class DeviceRuntime:
             enc.copy_buffer_to_buffer(self.oml, 0, dst, off + self.o_bytes, self.ml_bytes)
             enc.copy_buffer_to_buffer(self.args, 48, dst, off + self.o_bytes + self.ml_bytes, 8)
             if timed:
-                self._timings(enc)
+                self._timings(enc, sparse is not None)
             t1 = time.perf_counter()
             dev.queue.submit([enc.finish()])
             t2 = time.perf_counter()
@@ -470,7 +474,7 @@ class DeviceRuntime:
                     self.rb.unmap()
             t3 = time.perf_counter()
             timings.update(encode_s=t1 - t0, submit_s=t2 - t1, wait_readback_s=t3 - t2, total_s=t3 - t0)
-            self._read_timings(timings)
+            self._read_timings(timings, sparse is not None)
             self.be.last_timings = timings
             return out, lse.reshape(self.Tq, self.Hq)
 
@@ -632,7 +636,7 @@ class DeviceRuntime:
             iq[:, :, :L.index_dim] = index_q
             self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
         enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
-        cp = enc.begin_compute_pass()
+        cp = enc.begin_compute_pass(timestamp_writes=self._ts(2))
         for pipe, bgroup, grid in sp.calls:  # block scores, then the top-k into the plan's selection
             self._dispatch(cp, pipe, bgroup, grid)
         cp.end()
