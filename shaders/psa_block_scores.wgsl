@@ -1,12 +1,16 @@
 // psa_block_scores.wgsl — block scores of the index branch (R22): one workgroup per work item.
 //
-// A work item is (block s of sequence b, index key head hk, a run of at most WG "rows" of the
-// sequence's queries that read that index key head). A row is one (query t, KV head h): with
+// A work item is (block s of sequence b, index key head hk, a run of at most RT = 64 "rows" of
+// the sequence's queries that read that index key head). A row is one (query t, KV head h): with
 // one shared index key head (Hk_idx = 1) the rows of a sequence are all its (t, h) pairs,
 // t-major; with Hk_idx = Hkv they are the sequence's queries for KV head h = hk. The workgroup
-// walks the block in tiles of TK positions, loads each tile of index keys once into workgroup
-// memory (KV-outer: once for all the item's rows) and every invocation takes the max of its
-// row's logits against it.
+// computes the item's logits as a register-tiled matrix product, [64 rows] x [d_idx] x [128
+// positions] per pass: the index queries and keys are staged DC dims at a time in workgroup
+// memory (KV-outer: each key is loaded once for all the item's rows), and each of the 256
+// invocations accumulates a 4 rows x 8 positions tile in registers (16 row groups x 16
+// position groups). The max over the visible positions of each row is taken in registers,
+// then across the 16 position groups with workgroup atomics (a max: the same whatever the order). Row groups past the item's rows skip
+// the arithmetic (decode items have Hkv rows).
 //
 // The host splits the index key pool into binding-sized chunks; one dispatch binds one chunk
 // (device slabs [chunk_first, chunk_end)) and runs the items whose block has a page in it; a
@@ -32,7 +36,7 @@
 // Work item i (8 u32 at items_off + (item_base + i) * 8):
 //   [0] t0      batch-local query of the sequence's first row in the batch
 //   [1] r0      first row of the item (rows of the sequence in the batch counted from t0)
-//   [2] n_rows  rows in the item (<= WG); row r0 + x is (t0 + (r0 + x) / nh, h_off + (r0 + x) % nh)
+//   [2] n_rows  rows in the item (<= 64); row r0 + x is (t0 + (r0 + x) / nh, h_off + (r0 + x) % nh)
 //   [3] nh      KV heads per query in the row numbering (Hkv or 1)
 //   [4] h_off   first KV head (0, or hk with Hk_idx = Hkv)
 //   [5] pages   offset of the block's page list (ppb entries) in `pages`
@@ -51,22 +55,20 @@
 //
 // Override constants
 //   DV  vec4s per index row (ceil(d_idx / 4))     S   page size      BS  block size
-//   TK  positions per tile (<= TKMAX)             WG  workgroup size = rows per work item
-// Each invocation holds QC vec4s of its query in registers at a time and accumulates the TK
-// logits of the tile in registers; the key tile is read as broadcasts (every invocation reads
-// the same element). Accumulation is f32; the loader rewrites `alias kv_t` to f16 for float16
-// index caches.
+//   DCV vec4s of each row staged per step (the host fits it to the workgroup memory)
+// Accumulation is f32, in a fixed order per logit (dims ascending): results do not depend on the
+// schedule (R19). The loader rewrites `alias kv_t` to f16 for float16 index caches.
 
 alias kv_t = f32;
 
 override DV: u32;
 override S: u32;
 override BS: u32;
-override TK: u32;
-override WG: u32 = 64u;
+override DCV: u32 = 8u;
 
-const TKMAX: u32 = 32u;
-const QC: u32 = 8u;
+const WG: u32 = 256u;
+const RT: u32 = 64u;        // rows per item
+const PT: u32 = 128u;       // positions per pass
 const INVALID: u32 = 0xffffffffu;
 const NAN_KEY: u32 = 0xffffffffu;
 
@@ -92,8 +94,10 @@ struct Params {
 @group(0) @binding(4) var<storage, read> plan: array<u32>;
 @group(0) @binding(5) var<storage, read_write> out: array<u32>;
 
-var<workgroup> k_tile: array<vec4<f32>, TK * DV>;  // [pos][j]
-var<workgroup> k_ok: array<u32, TK>;               // 1: the tile position was loaded (readable)
+var<workgroup> qs: array<vec4<f32>, DCV * 4u * (RT / 4u)>;  // [dim][row group]: 4 rows per vec4
+var<workgroup> ks: array<vec4<f32>, DCV * 4u * (PT / 4u)>;  // [dim][position quad]
+var<workgroup> kok: array<u32, PT>;                           // 1: position loaded (readable)
+var<workgroup> red: array<atomic<u32>, RT>;                   // row maxima (max: order-free, R19)
 
 // Order-preserving u32 key of a float32 (NaN -> NAN_KEY, never 0).
 fn logit_key(x: f32) -> u32 {
@@ -107,7 +111,31 @@ fn logit_key(x: f32) -> u32 {
     return b | 0x80000000u;
 }
 
-@compute @workgroup_size(WG)
+struct Row {
+    qrow: u32,   // vec4 offset of the row's index query
+    qend: i32,   // exclusive end of its visible positions
+    o: u32,      // its output (t, h, s)
+}
+
+fn row_of(r0: u32, x: u32, n_rows: u32, t0: u32, nh: u32, h_off: u32, s: u32) -> Row {
+    let r = r0 + min(x, n_rows - 1u);
+    let t = t0 + r / nh;
+    let h = h_off + r % nh;
+    return Row((t * params.heads + h) * DV, bitcast<i32>(plan[t]), (t * params.heads + h) * params.msb + s);
+}
+
+// the max key of 4 logits of one row at positions p0 .. p0 + 3 of the pass
+fn quad_max(best: u32, a: vec4<f32>, p0: u32, base: u32, qend: i32) -> u32 {
+    var m = best;
+    for (var i = 0u; i < 4u; i++) {
+        let p = p0 + i;
+        let vis = kok[p] != 0u && i32(base + p) < qend;
+        m = max(m, select(0u, logit_key(params.scale * a[i]), vis));
+    }
+    return m;
+}
+
+@compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let item = wid.y * params.grid_x + wid.x;
     if (item >= params.n_items) {
@@ -123,68 +151,98 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let npos = plan[ib + 6u];
     let s = plan[ib + 7u];
 
-    let live = lid < n_rows;
-    let r = r0 + min(lid, n_rows - 1u);
-    let t = t0 + r / nh;
-    let h = h_off + r % nh;
-    let qrow = (t * params.heads + h) * DV;
-    let qend = bitcast<i32>(plan[t]);
-    let pos0 = s * BS;
-
-    var best = 0u;
-    for (var k0 = 0u; k0 < npos; k0 += TK) {
-        // load the tile once for all rows; unreadable slots are zeros and flagged
-        for (var x = lid; x < TK * DV; x += WG) {
-            let p = x / DV;
-            let j = x - p * DV;
-            let lpos = k0 + p;
-            var v = vec4<f32>(0.0);
-            var ok = 0u;
-            if (lpos < npos) {
-                let slab = pages[pg + lpos / S];  // INVALID is >= every chunk_end
-                if (slab >= params.chunk_first && slab < params.chunk_end) {
-                    v = vec4<f32>(ik[((slab - params.chunk_first) * S + lpos % S) * DV + j]);
-                    ok = 1u;
-                }
-            }
-            k_tile[x] = v;
-            if (j == 0u) {
-                k_ok[p] = ok;
-            }
-        }
-        workgroupBarrier();
-        if (live) {
-            var acc: array<f32, TKMAX>;
-            for (var p = 0u; p < TK; p++) {
-                acc[p] = 0.0;
-            }
-            for (var j0 = 0u; j0 < DV; j0 += QC) {
-                var qr: array<vec4<f32>, QC>;
-                for (var j = 0u; j < QC; j++) {
-                    qr[j] = vec4<f32>(0.0);
-                    if (j0 + j < DV) {
-                        qr[j] = iq[qrow + j0 + j];
-                    }
-                }
-                for (var p = 0u; p < TK; p++) {
-                    var sum = 0.0;
-                    for (var j = 0u; j < QC; j++) {
-                        if (j0 + j < DV) {
-                            sum += dot(qr[j], k_tile[p * DV + j0 + j]);
-                        }
-                    }
-                    acc[p] += sum;
-                }
-            }
-            for (var p = 0u; p < TK; p++) {
-                let vis = k_ok[p] != 0u && i32(pos0 + k0 + p) < qend;
-                best = max(best, select(0u, logit_key(params.scale * acc[p]), vis));
-            }
-        }
-        workgroupBarrier();
+    let rg = lid % 16u;          // rows 4 rg .. 4 rg + 3
+    let pgp = lid / 16u;         // positions 8 pgp .. 8 pgp + 7 of a pass
+    let live = 4u * rg < n_rows;
+    let rows = array<Row, 4>(row_of(r0, 4u * rg, n_rows, t0, nh, h_off, s),
+                             row_of(r0, 4u * rg + 1u, n_rows, t0, nh, h_off, s),
+                             row_of(r0, 4u * rg + 2u, n_rows, t0, nh, h_off, s),
+                             row_of(r0, 4u * rg + 3u, n_rows, t0, nh, h_off, s));
+    var best = vec4<u32>(0u);
+    if (lid < RT) {
+        atomicStore(&red[lid], 0u);  // explicitly: not every driver zeroes workgroup memory per workgroup
     }
+    let nstep = (DV + DCV - 1u) / DCV;
+
+    for (var k0 = 0u; k0 < npos; k0 += PT) {
+        var a0 = vec4<f32>(0.0); var b0 = vec4<f32>(0.0);
+        var a1 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0);
+        var a2 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0);
+        var a3 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
+        for (var st = 0u; st < nstep; st++) {
+            let j0 = st * DCV;
+            // stage the keys: position p, vec4 j of the step -> ks[(4 j + c) * 32 + p / 4][p % 4]
+            for (var x = lid; x < PT * DCV; x += WG) {
+                let p = x / DCV;
+                let j = x - p * DCV;
+                let lpos = k0 + p;
+                var v = vec4<f32>(0.0);
+                var ok = 0u;
+                if (lpos < npos && j0 + j < DV) {
+                    let slab = pages[pg + lpos / S];  // INVALID is >= every chunk_end
+                    if (slab >= params.chunk_first && slab < params.chunk_end) {
+                        v = vec4<f32>(ik[((slab - params.chunk_first) * S + lpos % S) * DV + j0 + j]);
+                        ok = 1u;
+                    }
+                }
+                let o = 4u * j * (PT / 4u) + p / 4u;
+                ks[o][p % 4u] = v.x;
+                ks[o + PT / 4u][p % 4u] = v.y;
+                ks[o + 2u * (PT / 4u)][p % 4u] = v.z;
+                ks[o + 3u * (PT / 4u)][p % 4u] = v.w;
+                if (st == 0u && j == 0u) {
+                    kok[p] = ok;
+                }
+            }
+            // stage the queries: row x, vec4 j -> qs[(4 j + c) * 16 + x / 4][x % 4]
+            for (var x = lid; x < RT * DCV; x += WG) {
+                let r = x / DCV;
+                let j = x - r * DCV;
+                var v = vec4<f32>(0.0);
+                if (r < n_rows && j0 + j < DV) {
+                    let rr = row_of(r0, r, n_rows, t0, nh, h_off, s);
+                    v = iq[rr.qrow + j0 + j];
+                }
+                let o = 4u * j * (RT / 4u) + r / 4u;
+                qs[o][r % 4u] = v.x;
+                qs[o + RT / 4u][r % 4u] = v.y;
+                qs[o + 2u * (RT / 4u)][r % 4u] = v.z;
+                qs[o + 3u * (RT / 4u)][r % 4u] = v.w;
+            }
+            workgroupBarrier();
+            if (live) {
+                for (var dd = 0u; dd < 4u * DCV; dd++) {
+                    let q = qs[dd * (RT / 4u) + rg];
+                    let ka = ks[dd * (PT / 4u) + 2u * pgp];
+                    let kb = ks[dd * (PT / 4u) + 2u * pgp + 1u];
+                    a0 += q.x * ka; b0 += q.x * kb;
+                    a1 += q.y * ka; b1 += q.y * kb;
+                    a2 += q.z * ka; b2 += q.z * kb;
+                    a3 += q.w * ka; b3 += q.w * kb;
+                }
+            }
+            workgroupBarrier();
+        }
+        if (live) {
+            let base = s * BS + k0;
+            let p0 = 8u * pgp;
+            best.x = quad_max(quad_max(best.x, a0, p0, base, rows[0].qend), b0, p0 + 4u, base, rows[0].qend);
+            best.y = quad_max(quad_max(best.y, a1, p0, base, rows[1].qend), b1, p0 + 4u, base, rows[1].qend);
+            best.z = quad_max(quad_max(best.z, a2, p0, base, rows[2].qend), b2, p0 + 4u, base, rows[2].qend);
+            best.w = quad_max(quad_max(best.w, a3, p0, base, rows[3].qend), b3, p0 + 4u, base, rows[3].qend);
+        }
+        workgroupBarrier();  // kok is rewritten by the next pass
+    }
+    // max over the 16 position groups of each row (red was zeroed before the first barrier)
     if (live) {
-        let o = (t * params.heads + h) * params.msb + s;
-        out[o] = max(out[o], best);
+        for (var i = 0u; i < 4u; i++) {
+            atomicMax(&red[4u * rg + i], best[i]);
+        }
+    }
+    workgroupBarrier();
+    if (lid < n_rows) {
+        let m = atomicLoad(&red[lid]);
+        let rr = row_of(r0, lid, n_rows, t0, nh, h_off, s);
+        out[rr.o] = max(out[rr.o], m);
     }
 }

@@ -29,9 +29,15 @@ __all__ = ["IndexBranchMixin", "decode_score_keys"]
 
 SCORES = "psa_block_scores.wgsl"
 TOPK = "psa_select_topk.wgsl"
-SCORES_WG = 64  # rows per block-score work item
+SCORES_WG = 64  # rows per block-score work item (const RT in the shader)
 TOPK_WG = 64
-TKMAX = 32  # the kernel's register tile of logits (const TKMAX in the shader)
+SCORES_STAGE = (8, 4, 2, 1)  # vec4s of a row staged per step (DCV), the largest that fits first
+
+
+def score_workgroup_bytes(dcv: int) -> int:
+    """Workgroup memory of psa_block_scores.wgsl: staged queries (64 rows) and keys (128
+    positions) of DCV vec4s, the position flags and the row maxima."""
+    return dcv * 4 * (16 + 32) * 16 + 128 * 4 + 64 * 4
 TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
 PARAM_BYTES = 48  # one uniform record per dispatch (multiple of 16)
 INVALID = 0xFFFFFFFF
@@ -267,12 +273,13 @@ class IndexBranchMixin:
                 f"B={B} x msb={msb} x Hk_idx={Hk} x {ppb} pages) in one storage binding of "
                 f"{ctx.binding_size} bytes; split the call into fewer sequences [R18]")
 
-        TK = min(TKMAX, BS, (ctx.workgroup_storage - 16) // (DV * 16 + 4))
-        if TK < 1:
-            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {DV * 16 + 4} bytes of workgroup memory per "
-                                   f"position for d_idx={d}, the device has {ctx.workgroup_storage} [R18]")
+        fits = [c for c in SCORES_STAGE if score_workgroup_bytes(c) <= ctx.workgroup_storage]
+        if not fits:
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {score_workgroup_bytes(1)} bytes of workgroup "
+                                   f"memory for the block scores, the device has {ctx.workgroup_storage} [R18]")
+        DCV = fits[0]
         f16 = np.dtype(ik.dtype).itemsize == 2
-        pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "TK": TK, "WG": SCORES_WG})
+        pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV})
 
         per_q = max(Hkv * DV * 16, Hkv * msb * 4)
         # a batch of queries: its index queries, its outputs and its query_end plus >= 1 work item fit
@@ -306,7 +313,7 @@ class IndexBranchMixin:
                             np.full(ri.size, h_off), ((b * msb + ss) * Hk + hk) * ppb, npos[ri, si], ss], axis=1))
             return [np.concatenate(x) if x else np.zeros((0, 8), np.int64) for x in per_chunk]
 
-        return SimpleNamespace(ik=ik, resident=resident, layout=layout, starts=starts, nch=nch, pt=pt, TK=TK, DV=DV,
+        return SimpleNamespace(ik=ik, resident=resident, layout=layout, starts=starts, nch=nch, pt=pt, DCV=DCV, DV=DV,
                                f16=f16, pipe=pipe, bgl=bgl, step=step, plan=plan, qend=qend)
 
     def _block_scores_run(self, p, st) -> np.ndarray:
