@@ -23,6 +23,14 @@
 //               and page list of psa_partials.wgsl.
 //   finalize    one invocation: the indirect dispatch size and the params record of the
 //               partials kernel (copied into its uniform buffer by the host's command encoder).
+//   direct      (DECODE = 1, attention only) one invocation per row, instead of all of the above:
+//               when no sequence has two queries every slot group is one edge, so the partials
+//               need no edge order: row r's kept entries, in rank order, take edge ids r K + n
+//               (n = 0, 1, ...), each with its work items, edge record and page list; the row's
+//               remaining ids get empty items (n_e = 0) and merge elements pointing at the empty
+//               partial group `emax` (l = 0, never written). The combine (row_ptr = r K, fixed)
+//               then merges exactly the row's edges in rank order, with empties only at its end,
+//               which it skips: the same bits as with the inverted index.
 //
 // Bindings (group 0)
 //   0 params  uniform              InvParams (below)
@@ -307,6 +315,63 @@ fn items(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     let em = params.emax;
     write_pages(pages, edges[2u * em + e], edges[3u * em + e], edges[em + e]);
     write_items(item, n_e, max_len, e, pages);
+}
+
+@compute @workgroup_size(WG)
+fn direct(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = linear_id(wid, lid);
+    let n_rows = params.tq * params.hkv;
+    if (r >= n_rows) {
+        return;
+    }
+    let t = r / params.hkv;
+    let h = r - t * params.hkv;
+    let qi = query(t);
+    let nvis = n_visible(qi.hi);
+    let base = r * params.k;
+    merge[r] = base;  // row_ptr = r K (rewritten here: an inverted index may have used the buffer)
+    if (r == n_rows - 1u) {
+        merge[n_rows] = n_rows * params.k;
+    }
+    var n = 0u;
+    for (var j = 0u; j < params.k; j++) {
+        let s = sel[base + j];
+        if (s == -1) {
+            continue;
+        }
+        if (s < -1 || s >= i32(params.msb)) {
+            report(1u, r);
+            continue;
+        }
+        var dup = false;
+        for (var j2 = 0u; j2 < j; j2++) {
+            if (sel[base + j2] == s) {
+                dup = true;
+            }
+        }
+        if (dup) {
+            report(2u, r);
+            continue;
+        }
+        if (u32(s) < nvis) {
+            let e = base + n;
+            let len = min(params.bs, u32(qi.hi) - u32(s) * params.bs);
+            plan[params.erec_base + 2u * e] = r;
+            plan[params.erec_base + 2u * e + 1u] = len;
+            let pages = params.page_base + e * params.ppb;
+            write_pages(pages, qi.b, u32(s), h);
+            write_items(e, 1u, len, e, pages);
+            merge[n_rows + 1u + e] = e;
+            n += 1u;
+        }
+    }
+    for (var m = n; m < params.k; m++) {
+        let e = base + m;
+        for (var hs = 0u; hs < params.nh; hs++) {
+            plan[(e * params.nh + hs) * 8u + 1u] = 0u;  // n_e = 0: the workgroup returns at once
+        }
+        merge[n_rows + 1u + e] = params.emax;  // the empty partial group
+    }
 }
 
 @compute @workgroup_size(1)

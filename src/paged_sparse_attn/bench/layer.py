@@ -114,6 +114,12 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
         lambda i: __import__("paged_sparse_attn").forward(qs[i], kd, vd, prob["block_tables"], prob["selected"],
                                                          prob["cu_seqlens_q"], **fargs),
         lambda r: None, L, repeat, True)
+    # where a forward() call's time goes: inside the plan runtime (encode, submit, GPU wait and
+    # readback) and before it (validation, plan lookup): the wall time minus the runtime's total
+    t = dict(be.last_timings)
+    for k in ("encode_s", "submit_s", "wait_readback_s", "total_s"):
+        if k in t:
+            row[f"forward_{k}"] = t[k]
     # the pass split of one call, from GPU timestamps (a second device of the same adapter)
     try:
         tb = type(be)(timestamps=True)

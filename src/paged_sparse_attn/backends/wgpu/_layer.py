@@ -48,6 +48,7 @@ MERGE_WG = 64
 REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment; raised per device)
 # uniform records of the consts buffer
 R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
+POOL = 8  # result buffers kept for reuse
 
 
 def _grid(n: int, maxdim: int) -> tuple[int, int]:
@@ -75,6 +76,7 @@ class DeviceRuntime:
     def __init__(self, backend, layout: BatchLayout):
         self.be = backend
         self.bufs: list = []
+        self.pool: list = []  # result buffers of device calls whose results were dropped
         self.layout = layout
         self.fallback = None  # a HostRuntime for calls the device path cannot take
         self.sparse = None  # the index branch's buffers, made by the first run_sparse
@@ -196,8 +198,10 @@ class DeviceRuntime:
         self.plan = self._buffer(4 * plan_words, st | U.COPY_SRC, "items")
         self.args = self._buffer(64, st | U.INDIRECT | U.COPY_SRC | U.COPY_DST, "args")
         self.pparams = self._buffer(align, U.UNIFORM | U.COPY_DST, "partials.params")
-        self.po = self._buffer(emax * G * D * 4, st, "partials.o")
-        self.pml = self._buffer(emax * G * 8, st, "partials.ml")
+        # one more partial group than edges: group emax stays empty (l = 0; the direct mode's
+        # merge elements of a row's unused slots point at it)
+        self.po = self._buffer((emax + 1) * G * D * 4, st, "partials.o")
+        self.pml = self._buffer((emax + 1) * G * 8, st, "partials.ml")
         rows = Tq * L.num_q_heads
         self.o_bytes, self.ml_bytes = rows * D * 4, rows * 8
         self.out = self._buffer(self.o_bytes, st | U.COPY_SRC, "out")
@@ -230,7 +234,7 @@ class DeviceRuntime:
         cst = {"WG": INV_WG, "DECODE": int(decode), "TILE": TILE}
         inv_kinds = ["u", "r", "r", "w", "r", "w", "w", "w", "w"]
         self.p_inv = {e: self._pipeline(INVERT, e, inv_kinds, cst)
-                      for e in (["mark", "scatter", "finalize"] + ([] if decode else ["item_flags", "items"]))}
+                      for e in (["mark", "scatter", "finalize"] + (["direct"] if decode else ["item_flags", "items"]))}
         self.p_scan = {e: self._pipeline(SCAN, e, ["u", "r", "w"], {"WG": SCAN_WG}) for e in ("tiles", "totals")}
         f16 = itemsize == 2
         self.p_part = be._pipeline(geom.kernel if decode else "psa_partials.wgsl", f16, geom.constants())
@@ -256,6 +260,12 @@ class DeviceRuntime:
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
         self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
         self.decode = decode
+        if decode:  # the direct mode's fixed parts: the partials' dispatch and params
+            self.direct_grid = _grid(max_items, maxdim)
+            rec = np.zeros(align // 4, np.uint32)
+            rec[:8] = _words(0, max_items, self.direct_grid[0], G, slab4, float(L.softmax_scale), 0, 0)
+            self.pparams_direct = self._buffer(align, U.UNIFORM | U.COPY_DST, "partials.params.direct")
+            dev.queue.write_buffer(self.pparams_direct, 0, rec)
 
     def _write_layout(self, L: BatchLayout) -> None:
         seq, hi = query_positions(L.cu_seqlens_q, L.used_kv_lens, L.causal)
@@ -276,6 +286,38 @@ class DeviceRuntime:
                 self._write_layout(layout)
                 self._drop_sparse()  # its visible blocks and local blocks follow the lengths
 
+    def _result_buffer(self):
+        """A buffer for a device call's results: one whose results nobody holds any more, or new."""
+        import wgpu
+
+        if self.pool:
+            return self.pool.pop()
+        return self.ctx.device.create_buffer(size=CallResult.nbytes(self.Tq, self.Hq, self.D),
+                                             usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
+                                             | wgpu.BufferUsage.COPY_DST, label="results")
+
+    def _read_results(self, buf, nbytes: int) -> np.ndarray:
+        """Bytes of a device call's result buffer, through the plan's mapped readback buffer (one
+        copy, one submit, one map: no staging buffer made per read)."""
+        self._live()
+        dev = self.ctx.device
+        with device_errors("readback of results", bytes=nbytes):
+            enc = dev.create_command_encoder(label="paged_sparse_attn.readback")
+            enc.copy_buffer_to_buffer(buf, 0, self.rb, 0, nbytes)
+            dev.queue.submit([enc.finish()])
+            try:
+                return np.frombuffer(map_read(self.rb, nbytes), dtype=np.uint8).copy()
+            finally:
+                if self.rb.map_state != "unmapped":
+                    self.rb.unmap()
+
+    def _recycle(self, buf) -> None:
+        """Take back the buffer of results nobody refers to (kept for the next calls, up to 8)."""
+        if self.bufs and self.generation == self.be._generation and len(self.pool) < POOL:
+            self.pool.append(buf)
+        else:
+            destroy_all([buf])
+
     def _drop_sparse(self) -> None:
         if self.sparse is not None:
             destroy_all(self.sparse.bufs)
@@ -283,6 +325,8 @@ class DeviceRuntime:
 
     def close(self) -> None:
         self._drop_sparse()
+        destroy_all(self.pool)
+        self.pool = []
         destroy_all(self.bufs)
         self.bufs = []
         self.bg_part = {}
@@ -342,6 +386,9 @@ class DeviceRuntime:
             self._stage(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
         if sel is not None:
             self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
+        if attention and self.decode:
+            self._encode_direct(enc, k, v, bg_rows)
+            return
         enc.clear_buffer(self.work, 0, self.work_bytes)
         enc.clear_buffer(self.args, 48, 16)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
@@ -359,20 +406,36 @@ class DeviceRuntime:
         if not attention:
             return
         enc.copy_buffer_to_buffer(self.args, 16, self.pparams, 0, 32)
+        cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
+        cp.set_pipeline(self.p_part[0])
+        cp.set_bind_group(0, self._partials_group(k, v, self.pparams))
+        cp.dispatch_workgroups_indirect(self.args, 0)
+        self._dispatch(cp, self.p_merge[0], self.bg_merge, self.grids["merge"])
+        cp.end()
+
+    def _partials_group(self, k, v, params):
+        """The partials kernel's bind group for these caches (kept for the latest 16 pairs)."""
         kb, vb = k.buffers()[0], v.buffers()[0]
-        key = (kb.uid, vb.uid)
+        key = (kb.uid, vb.uid, params.uid)
         bgp = self.bg_part.get(key)
         if bgp is None:
             if len(self.bg_part) >= 16:  # caches of many layers: keep the latest few
                 self.bg_part.pop(next(iter(self.bg_part)))
             bgp = self.bg_part[key] = self.ctx.device.create_bind_group(
                 layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
-                                                for j, b in enumerate((self.pparams, self.q, kb, vb, self.plan,
+                                                for j, b in enumerate((params, self.q, kb, vb, self.plan,
                                                                        self.po, self.pml))])
+        return bgp
+
+    def _encode_direct(self, enc, k, v, bg_rows) -> None:
+        """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): one pass of
+        three dispatches of fixed sizes."""
+        enc.clear_buffer(self.args, 48, 16)
+        cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
+        self._dispatch(cp, self.p_inv["direct"][0], bg_rows, self.grids["rows"])
+        cp.end()
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
-        cp.set_pipeline(self.p_part[0])
-        cp.set_bind_group(0, bgp)
-        cp.dispatch_workgroups_indirect(self.args, 0)
+        self._dispatch(cp, self.p_part[0], self._partials_group(k, v, self.pparams_direct), self.direct_grid)
         self._dispatch(cp, self.p_merge[0], self.bg_merge, self.grids["merge"])
         cp.end()
 
@@ -442,9 +505,7 @@ class DeviceRuntime:
             else:
                 self._encode_sparse(enc, q, k, v, *sparse)
             if device_out:
-                res_buf = dev.create_buffer(size=CallResult.nbytes(self.Tq, self.Hq, self.D),
-                                            usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
-                                            | wgpu.BufferUsage.COPY_DST, label="results")
+                res_buf = self._result_buffer()
                 dst, off = res_buf, 0
             else:
                 dst, off = self.rb, 0
@@ -459,7 +520,8 @@ class DeviceRuntime:
             if device_out:
                 self.be.last_timings = dict(timings, encode_s=t1 - t0, submit_s=t2 - t1, total_s=t2 - t0)
                 res = CallResult(self.be, res_buf, self.Tq, self.Hq, self.D, fn=fn, num_kv_heads=L.num_kv_heads,
-                                 msb=L.msb, generation=self.generation)
+                                 msb=L.msb, generation=self.generation, recycle=self._recycle,
+                                 reader=self._read_results)
                 return res.out, res.lse
             n = self.o_bytes + self.ml_bytes + 8
             try:

@@ -135,7 +135,7 @@ class CallResult:
     """
 
     def __init__(self, backend, buffer, Tq: int, Hq: int, D: int, *, fn: str, num_kv_heads: int, msb: int,
-                 generation: int):
+                 generation: int, recycle=None, reader=None):
         self.backend = backend
         self._buffer = buffer
         self.rows = Tq * Hq
@@ -144,7 +144,11 @@ class CallResult:
         self.err_offset = self.o_bytes + self.ml_bytes
         self.fn, self.num_kv_heads, self.msb = fn, num_kv_heads, msb
         self._host: np.ndarray | None = None
-        self._finalizer = weakref.finalize(self, destroy_all, [buffer])
+        self._reader = reader  # (buffer, nbytes) -> bytes: the plan's staging read (else a queue read)
+        # ``recycle``: the plan takes the buffer back for a later call once nothing refers to
+        # these results (queue order makes the reuse safe); else it is destroyed
+        self._finalizer = (weakref.finalize(self, recycle, buffer) if recycle is not None
+                           else weakref.finalize(self, destroy_all, [buffer]))
         self._finalizer.atexit = False
         self.out = WgpuTensor(backend, buffer, (Tq, Hq, D), np.float32, generation=generation, owner=self,
                               label="out")
@@ -170,8 +174,11 @@ class CallResult:
                 raise DeviceError(f"wgpu backend: the results of {self.fn}() were released")
             with self.backend._lock:
                 buf = self.out.buffer()
-                raw = self.backend._read_range(buf, 0, self.err_offset + 8)
-            self._host = np.frombuffer(raw, dtype=np.uint8).copy()
+                if self._reader is not None:
+                    self._host = self._reader(buf, self.err_offset + 8)
+                else:
+                    self._host = np.frombuffer(self.backend._read_range(buf, 0, self.err_offset + 8),
+                                               dtype=np.uint8).copy()
         return self._host
 
     def check(self) -> None:
