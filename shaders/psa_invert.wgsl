@@ -23,7 +23,7 @@
 //               and page list of psa_partials.wgsl.
 //   finalize    one invocation: the indirect dispatch size and the params record of the
 //               partials kernel (copied into its uniform buffer by the host's command encoder).
-//   direct      (DECODE = 1, attention only) one invocation per row, instead of all of the above:
+//   direct      (DECODE = 1, attention only) one invocation per (row, slot), instead of the above:
 //               when no sequence has two queries every slot group is one edge, so the partials
 //               need no edge order: row r's kept entries, in rank order, take edge ids r K + n
 //               (n = 0, 1, ...), each with its work items, edge record and page list; the row's
@@ -317,60 +317,78 @@ fn items(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     write_items(item, n_e, max_len, e, pages);
 }
 
+// whether slot j of the row at `base` is a kept edge: a valid id, not a repeat of an earlier
+// slot (the first occurrence stands), visible (s < nvis)
+fn kept_at(base: u32, j: u32, nvis: u32) -> bool {
+    let s = sel[base + j];
+    if (s < 0 || s >= i32(params.msb) || u32(s) >= nvis) {
+        return false;
+    }
+    for (var j2 = 0u; j2 < j; j2++) {
+        if (sel[base + j2] == s) {
+            return false;
+        }
+    }
+    return true;
+}
+
 @compute @workgroup_size(WG)
 fn direct(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = linear_id(wid, lid);
+    let x = linear_id(wid, lid);  // one invocation per (row, slot)
     let n_rows = params.tq * params.hkv;
+    let r = x / params.k;
+    let j = x - r * params.k;
     if (r >= n_rows) {
         return;
+    }
+    let base = r * params.k;
+    if (j == 0u) {
+        merge[r] = base;  // row_ptr = r K (rewritten here: an inverted index may have used the buffer)
+        if (r == n_rows - 1u) {
+            merge[n_rows] = n_rows * params.k;
+        }
     }
     let t = r / params.hkv;
     let h = r - t * params.hkv;
     let qi = query(t);
     let nvis = n_visible(qi.hi);
-    let base = r * params.k;
-    merge[r] = base;  // row_ptr = r K (rewritten here: an inverted index may have used the buffer)
-    if (r == n_rows - 1u) {
-        merge[n_rows] = n_rows * params.k;
-    }
-    var n = 0u;
-    for (var j = 0u; j < params.k; j++) {
-        let s = sel[base + j];
-        if (s == -1) {
-            continue;
-        }
-        if (s < -1 || s >= i32(params.msb)) {
-            report(1u, r);
-            continue;
-        }
-        var dup = false;
+    let s = sel[base + j];
+    if (s < -1 || s >= i32(params.msb)) {
+        report(1u, r);
+    } else if (s >= 0) {
         for (var j2 = 0u; j2 < j; j2++) {
             if (sel[base + j2] == s) {
-                dup = true;
+                report(2u, r);
             }
         }
-        if (dup) {
-            report(2u, r);
-            continue;
-        }
-        if (u32(s) < nvis) {
-            let e = base + n;
-            let len = min(params.bs, u32(qi.hi) - u32(s) * params.bs);
-            plan[params.erec_base + 2u * e] = r;
-            plan[params.erec_base + 2u * e + 1u] = len;
-            let pages = params.page_base + e * params.ppb;
-            write_pages(pages, qi.b, u32(s), h);
-            write_items(e, 1u, len, e, pages);
-            merge[n_rows + 1u + e] = e;
-            n += 1u;
+    }
+    // n: kept slots before j (this one's place in the row's list); total: kept slots of the row
+    var n = 0u;
+    var total = 0u;
+    for (var j2 = 0u; j2 < params.k; j2++) {
+        if (kept_at(base, j2, nvis)) {
+            total += 1u;
+            if (j2 < j) {
+                n += 1u;
+            }
         }
     }
-    for (var m = n; m < params.k; m++) {
-        let e = base + m;
+    if (kept_at(base, j, nvis)) {
+        let e = base + n;
+        let len = min(params.bs, u32(qi.hi) - u32(s) * params.bs);
+        plan[params.erec_base + 2u * e] = r;
+        plan[params.erec_base + 2u * e + 1u] = len;
+        let pages = params.page_base + e * params.ppb;
+        write_pages(pages, qi.b, u32(s), h);
+        write_items(e, 1u, len, e, pages);
+        merge[n_rows + 1u + e] = e;
+    }
+    if (j >= total) {  // list position j is past the row's edges: an empty item, the empty group
+        let e = base + j;
         for (var hs = 0u; hs < params.nh; hs++) {
             plan[(e * params.nh + hs) * 8u + 1u] = 0u;  // n_e = 0: the workgroup returns at once
         }
-        merge[n_rows + 1u + e] = params.emax;  // the empty partial group
+        merge[n_rows + 1u + e] = params.emax;
     }
 }
 

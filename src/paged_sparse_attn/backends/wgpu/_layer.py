@@ -387,7 +387,7 @@ class DeviceRuntime:
         if sel is not None:
             self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
         if attention and self.decode:
-            self._encode_direct(enc, k, v, bg_rows)
+            self._encode_direct(enc, k, v, bg_edges)  # (its grid: one invocation per slot)
             return
         enc.clear_buffer(self.work, 0, self.work_bytes)
         enc.clear_buffer(self.args, 48, 16)
@@ -427,12 +427,12 @@ class DeviceRuntime:
                                                                        self.po, self.pml))])
         return bgp
 
-    def _encode_direct(self, enc, k, v, bg_rows) -> None:
+    def _encode_direct(self, enc, k, v, bg_slots) -> None:
         """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): one pass of
         three dispatches of fixed sizes."""
         enc.clear_buffer(self.args, 48, 16)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
-        self._dispatch(cp, self.p_inv["direct"][0], bg_rows, self.grids["rows"])
+        self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
         cp.end()
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
         self._dispatch(cp, self.p_part[0], self._partials_group(k, v, self.pparams_direct), self.direct_grid)
