@@ -379,16 +379,24 @@ class DeviceRuntime:
 
     def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None) -> None:
         bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
+        if q is not None and isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
+            raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
+                                   f"{np.dtype(q.dtype).name} (upload it as float32: widening is exact) [R18]")
+        if attention and self.decode:
+            # decode: device arrays are bound where they are (bind groups kept per buffer), host
+            # arrays written into the plan's buffers; no copies, one pass
+            qb = self._bound(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
+            if groups is None:
+                sb = self._bound(enc, sel, self.sel, self.emax * 4, np.int32)
+                bg_edges = self._cached(("slots", sb.uid), lambda: self._bg(
+                    self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
+                        sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
+            self._encode_direct(enc, qb, k, v, bg_edges)  # (its grid: one invocation per slot)
+            return
         if q is not None:
-            if isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
-                raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
-                                       f"{np.dtype(q.dtype).name} (upload it as float32: widening is exact) [R18]")
             self._stage(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
         if sel is not None:
             self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
-        if attention and self.decode:
-            self._encode_direct(enc, k, v, bg_edges)  # (its grid: one invocation per slot)
-            return
         enc.clear_buffer(self.work, 0, self.work_bytes)
         enc.clear_buffer(self.args, 48, 16)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
@@ -408,34 +416,48 @@ class DeviceRuntime:
         enc.copy_buffer_to_buffer(self.args, 16, self.pparams, 0, 32)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
         cp.set_pipeline(self.p_part[0])
-        cp.set_bind_group(0, self._partials_group(k, v, self.pparams))
+        cp.set_bind_group(0, self._partials_group(self.q, k, v, self.pparams))
         cp.dispatch_workgroups_indirect(self.args, 0)
         self._dispatch(cp, self.p_merge[0], self.bg_merge, self.grids["merge"])
         cp.end()
 
-    def _partials_group(self, k, v, params):
-        """The partials kernel's bind group for these caches (kept for the latest 16 pairs)."""
-        kb, vb = k.buffers()[0], v.buffers()[0]
-        key = (kb.uid, vb.uid, params.uid)
-        bgp = self.bg_part.get(key)
-        if bgp is None:
-            if len(self.bg_part) >= 16:  # caches of many layers: keep the latest few
-                self.bg_part.pop(next(iter(self.bg_part)))
-            bgp = self.bg_part[key] = self.ctx.device.create_bind_group(
-                layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
-                                                for j, b in enumerate((params, self.q, kb, vb, self.plan,
-                                                                       self.po, self.pml))])
-        return bgp
+    def _bound(self, enc, x, plan_buf, nbytes: int, dtype):
+        """The buffer a kernel binds for a layer's tensor: a device array's own (when it starts at
+        offset 0), else the plan's buffer with the host array written (or the array copied) in."""
+        if x is None:
+            return plan_buf
+        if isinstance(x, DeviceArray) and x.offset == 0:
+            return x.buffer()
+        self._stage(enc, x, plan_buf, nbytes, dtype)
+        return plan_buf
 
-    def _encode_direct(self, enc, k, v, bg_slots) -> None:
-        """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): one pass of
-        three dispatches of fixed sizes."""
+    def _cached(self, key, make):
+        """A bind group kept by the buffers it binds (the latest 32): layers alternate between a
+        few caches and queries, and a bind group costs more to make than a layer to encode."""
+        bg = self.bg_part.get(key)
+        if bg is None:
+            if len(self.bg_part) >= 32:
+                self.bg_part.pop(next(iter(self.bg_part)))
+            bg = self.bg_part[key] = make()
+        return bg
+
+    def _partials_group(self, qb, k, v, params):
+        """The partials kernel's bind group for these queries, caches and params."""
+        kb, vb = k.buffers()[0], v.buffers()[0]
+        return self._cached(("partials", qb.uid, kb.uid, vb.uid, params.uid), lambda: self.ctx.device.create_bind_group(
+            layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
+                                            for j, b in enumerate((params, qb, kb, vb, self.plan, self.po, self.pml))]))
+
+    def _encode_direct(self, enc, qb, k, v, bg_slots) -> None:
+        """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): three
+        dispatches of fixed sizes in one pass (two when timed, to time them apart)."""
         enc.clear_buffer(self.args, 48, 16)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
-        cp.end()
-        cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
-        self._dispatch(cp, self.p_part[0], self._partials_group(k, v, self.pparams_direct), self.direct_grid)
+        if self._ts(0) is not None:
+            cp.end()
+            cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
+        self._dispatch(cp, self.p_part[0], self._partials_group(qb, k, v, self.pparams_direct), self.direct_grid)
         self._dispatch(cp, self.p_merge[0], self.bg_merge, self.grids["merge"])
         cp.end()
 
