@@ -1,20 +1,29 @@
 """Generate the documentation figures into docs/figures/.
 
-    python scripts/make_figures.py            # writes docs/figures/*.svg
+    python scripts/make_figures.py            # writes docs/figures/*.svg and the bench-*.png plots
     python scripts/make_figures.py --check    # exit 1 if a committed figure is out of date
 
-The output is deterministic (fixed SVG hash salt, no date metadata), so the figures can be
-committed and re-generated without spurious diffs. Needs matplotlib.
+The diagrams (SVG) are drawn from the examples of the spec pages; the benchmark plots (PNG) from
+the committed results in docs/benchmarks-data/*.json, never from numbers typed here. The output
+is deterministic (fixed SVG hash salt, no date or software metadata), so the figures can be
+committed and re-generated without spurious diffs (PNG bytes also depend on the matplotlib and
+FreeType versions). Needs matplotlib.
+
+Sizes are chosen for the page: the docs show a figure at most about 900 px wide, so a figure
+``w`` inches wide is scaled by about ``900 / (w * 72)`` in SVG; its text is set large enough to
+stay at least 12 px after that scaling.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import sys
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("svg")
 
@@ -23,6 +32,11 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "docs" / "figures"
+DATA_DIR = ROOT / "docs" / "benchmarks-data"
+# The runs the benchmarks page reports (its tables quote the same files).
+H200_RUN = "h200-gpu-2026-11-29-r6.json"
+CPU_RUN = "cpu-2026-11-29.json"
+PNG_DPI = 150
 
 plt.rcParams.update(
     {
@@ -328,17 +342,170 @@ def fig_causal():
     return fig
 
 
+# --------------------------------------------------------------------------------------------
+# bench-*.png: the benchmark results, one question per figure
+# --------------------------------------------------------------------------------------------
+
+# (JSON key prefix, label, colour); ours first, then the peers. "_e2e" is a whole forward() call.
+OURS = ("wgpu", "wgpu kernels (partials + combine)", BLUE)
+OURS_CALL = ("wgpu_e2e", "wgpu: a user's forward() call", SKY)
+PEERS = [
+    ("torch gather+SDPA bf16", "torch gather+SDPA bf16", ORANGE),
+    ("torch dense SDPA bf16", "torch dense SDPA bf16", GREEN),
+    ("torch FlexAttention bf16", "torch FlexAttention bf16", PURPLE),
+    ("torch dense SDPA f32", "torch dense SDPA f32", RED),
+]
+FLOOR = ("floor", "memory floor (needed bytes / bandwidth)", GREY)
+
+
+def _load(name: str) -> dict:
+    return json.loads((DATA_DIR / name).read_text(encoding="utf-8"))
+
+
+def _rows(run: dict) -> dict:
+    return {r["workload"]: r for r in run["rows"]}
+
+
+def _fmt_us(us: float) -> str:
+    if us >= 1000:
+        return f"{us / 1000:,.2f} ms" if us < 10_000 else f"{us / 1000:,.1f} ms"
+    return f"{us:,.1f} µs" if us < 100 else f"{us:,.0f} µs"
+
+
+def _time_axis(axis) -> None:
+    """Log-scale time ticks in words: 10 µs, 100 µs, 1 ms, ... (the values are in µs)."""
+    axis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda us, _: f"{us:g} µs" if us < 1000 else f"{us / 1000:g} ms"))
+
+
+def _caption(ax, text: str) -> None:
+    """Source of the numbers, under the x label of ``ax`` (bbox_inches='tight' keeps it in)."""
+    ax.annotate(text, xy=(0, 0), xycoords="axes fraction", xytext=(0, -50), textcoords="offset points",
+                fontsize=9.5, color=DARK, va="top", ha="left")
+
+
+def _bar_panel(ax, row: dict, series, title: str) -> None:
+    """Horizontal bars of one workload, log time axis, each bar labelled with its time."""
+    items = [(label, row[key + "_s"] * 1e6, colour) for key, label, colour in series
+             if row.get(key + "_s")]
+    ys = list(range(len(items)))[::-1]
+    for y, (label, us, colour) in zip(ys, items):
+        ax.barh(y, us, color=colour, edgecolor=DARK, linewidth=0.6, height=0.7)
+        ax.text(us * 1.12, y, _fmt_us(us), va="center", ha="left", fontsize=11)
+    ax.set_yticks(ys, [label for label, _, _ in items], fontsize=11.5)
+    ax.set_xscale("log")
+    lo = min(us for _, us, _ in items)
+    hi = max(us for _, us, _ in items)
+    ax.set_xlim(lo / 2, hi * 5)
+    _time_axis(ax.xaxis)
+    ax.set_xlabel("time per call (log scale)", fontsize=11)
+    ax.set_title(title, fontsize=12.5, loc="left")
+    ax.tick_params(axis="x", labelsize=10.5)
+    ax.grid(axis="x", color=LIGHT, linewidth=0.8)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _run_caption(run: dict) -> str:
+    return f"{run['device']}, {run['date']}\nraw results: docs/benchmarks-data/{H200_RUN}"
+
+
+def fig_bench_h200_decode():
+    run = _load(H200_RUN)
+    rows = _rows(run)
+    fig, axes = plt.subplots(2, 1, figsize=(8.0, 8.2), gridspec_kw={"hspace": 0.55})
+    for ax, name in zip(axes, ("decode-f16", "decode-f32")):
+        r = rows[name]
+        cache = "float16" if name.endswith("f16") else "float32"
+        _bar_panel(ax, r, [FLOOR, OURS, OURS_CALL, *PEERS],
+                   f"MSA decode, {cache} cache: B = {r['B']}, L = {r['L']:,}, one query each")
+    _caption(axes[-1], _run_caption(run))
+    return fig
+
+
+def fig_bench_h200_prefill():
+    run = _load(H200_RUN)
+    r = _rows(run)["prefill-f16"]
+    fig, ax = plt.subplots(figsize=(8.0, 3.6))
+    _bar_panel(ax, r, [FLOOR, OURS, OURS_CALL, *PEERS],
+               f"MSA prefill, float16 cache: B = {r['B']}, L = {r['L']:,}, the last {r['Tq']:,} queries")
+    _caption(ax, _run_caption(run))
+    return fig
+
+
+def fig_bench_h200_sweeps():
+    run = _load(H200_RUN)
+    rows = [r for r in run["rows"] if r["workload"].startswith("sweep-")]
+    base = {"L": 32768, "B": 8, "G": 8}
+    series = [OURS, OURS_CALL, PEERS[0], PEERS[1], FLOOR]
+    fig, axes = plt.subplots(3, 1, figsize=(8.0, 11.0), gridspec_kw={"hspace": 0.6})
+    for ax, var, what in zip(axes, ("L", "B", "G"), ("KV length L", "sequences B", "GQA group G")):
+        pts = sorted((r[var], r) for r in rows if all(r[k] == v for k, v in base.items() if k != var))
+        xs = [x for x, _ in pts]
+        for key, label, colour in series:
+            ys = [r[key + "_s"] * 1e6 if r.get(key + "_s") else float("nan") for _, r in pts]
+            ls = "--" if key == "floor" else "-"
+            ax.plot(xs, ys, ls, marker="o", color=colour if key != "floor" else DARK, label=label,
+                    linewidth=2.0, markersize=6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(xs, [f"{x // 1024}k" if x >= 1024 else str(x) for x in xs], fontsize=11)
+        _time_axis(ax.yaxis)
+        ax.tick_params(axis="y", labelsize=10.5)
+        ax.set_xlabel(what, fontsize=11.5)
+        ax.set_ylabel("time per call", fontsize=11.5)
+        fixed = ", ".join(f"{k} = {v // 1024}k" if k == "L" else f"{k} = {v}" for k, v in base.items() if k != var)
+        ax.set_title(f"decode, float16 cache: {what} varies ({fixed})", fontsize=12.5, loc="left")
+        ax.grid(color=LIGHT, linewidth=0.8)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[0].legend(fontsize=10.5, loc="upper center", bbox_to_anchor=(0.5, 1.55), ncol=2, frameon=False)
+    _caption(axes[-1], _run_caption(run))
+    return fig
+
+
+def fig_bench_cpu():
+    run = _load(CPU_RUN)
+    fig, axes = plt.subplots(2, 1, figsize=(8.0, 4.6), gridspec_kw={"hspace": 0.9})
+    for ax, r in zip(axes, run["rows"]):
+        items = [("gather floor (numpy fancy indexing)", r["gather_floor_s"] * 1e3, GREY),
+                 ("numpy backend forward()", r["forward_s"] * 1e3, BLUE)]
+        for y, (label, ms, colour) in enumerate(items):
+            ax.barh(y, ms, color=colour, edgecolor=DARK, linewidth=0.6, height=0.7)
+            ax.text(ms * 1.02 + 1, y, f"{ms:,.1f} ms", va="center", ha="left", fontsize=11)
+        ax.set_yticks(range(len(items)), [label for label, _, _ in items], fontsize=11.5)
+        ax.set_xlim(0, max(ms for _, ms, _ in items) * 1.25)
+        ax.set_xlabel("ms per call", fontsize=11)
+        ax.tick_params(axis="x", labelsize=10.5)
+        ax.set_title(f"{r['workload']}: B = {r['B']}, L = {r['L']:,}, Tq = {r['Tq']}, float32",
+                     fontsize=12.5, loc="left")
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    _caption(axes[-1], f"{run['machine']}, {run['date']}\nraw results: docs/benchmarks-data/{CPU_RUN}")
+    return fig
+
+
 FIGURES = {
     "paged-layout.svg": fig_paged_layout,
     "kv-outer.svg": fig_kv_outer,
     "causal.svg": fig_causal,
+    "bench-h200-decode.png": fig_bench_h200_decode,
+    "bench-h200-prefill.png": fig_bench_h200_prefill,
+    "bench-h200-sweeps.png": fig_bench_h200_sweeps,
+    "bench-cpu.png": fig_bench_cpu,
 }
 
 
-def render(make) -> bytes:
+def render(make, fmt: str = "svg") -> bytes:
     fig = make()
     buf = io.BytesIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
+    if fmt == "png":
+        fig.savefig(buf, format="png", dpi=PNG_DPI, metadata={"Software": None}, bbox_inches="tight",
+                    pad_inches=0.15)
+    else:
+        fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
 
@@ -351,7 +518,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stale = []
     for name, make in FIGURES.items():
-        data = render(make)
+        data = render(make, name.rsplit(".", 1)[1])
         path = args.out / name
         if args.check:
             if not path.exists() or path.read_bytes() != data:
