@@ -89,8 +89,9 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     causal : bool
         Right-aligned causal mask: query i of T_b sees positions ``<= L_b - T_b + i`` (R9).
     backend : str, Backend or None
-        None: the default backend (``"numpy"``, see :func:`use_backend`), or the backend holding
-        device-resident caches.
+        None: the default backend (``"numpy"``, see
+        [`use_backend`][paged_sparse_attn.use_backend]), or the backend holding device-resident
+        caches.
     return_lse : bool
         Also return the natural-log LSE.
 
@@ -166,7 +167,8 @@ def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, backend=
     q : array [Tq, Hq, D]
     k_cache, v_cache : array [P, Hkv, S, D] (or device-resident handles)
     index : KVOuterIndex
-        From :func:`build_kvouter_index` with the same page size.
+        From [`build_kvouter_index`][paged_sparse_attn.build_kvouter_index] with the same page
+        size.
     softmax_scale : float, optional
     backend : str, Backend or None
 

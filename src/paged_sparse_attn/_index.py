@@ -65,7 +65,7 @@ def build_index_arrays(
     page_size: int,
     causal: bool,
 ) -> KVOuterIndex:
-    """Build the R13 index from validated int32 inputs (see :func:`paged_sparse_attn.build_kvouter_index`).
+    """Build the R13 index from validated int32 inputs (see ``paged_sparse_attn.build_kvouter_index``).
 
     Per-call cost matters (every decode step builds one): the edge fields are taken once, in
     edge order and as int32, and the slot and row structure come from keys, not from

@@ -1,8 +1,8 @@
 """Process resources that long-running callers (and the reliability tests) watch.
 
-* :func:`rss_bytes` -- resident memory of this process now (``/proc/self/statm``), and
-  :func:`peak_rss_bytes` -- its peak so far;
-* :func:`wgpu_object_counts` -- live wgpu objects (buffers, pipelines, ...) as wgpu-py's
+* ``rss_bytes`` -- resident memory of this process now (``/proc/self/statm``), and
+  ``peak_rss_bytes`` -- its peak so far;
+* ``wgpu_object_counts`` -- live wgpu objects (buffers, pipelines, ...) as wgpu-py's
   diagnostics count them.
 
 Nothing here imports ``wgpu``: when it has not been imported, there is nothing to count.

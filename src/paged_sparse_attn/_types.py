@@ -51,7 +51,8 @@ class Capabilities:
     max_block_size : int or None
         Largest block size BS, None for no limit.
     device_arrays : bool
-        Whether the backend accepts device-resident caches (:class:`DeviceArray`).
+        Whether the backend accepts device-resident caches
+        ([`DeviceArray`][paged_sparse_attn.DeviceArray]).
     deterministic : bool
         Same bits for the same inputs on the same device (R19).
     features : frozenset of str
@@ -101,8 +102,27 @@ class DeviceArray:
 class Problem:
     """A validated forward problem (R1-R8); built only by the validation layer.
 
+    What a backend's [`forward_partials`][paged_sparse_attn.Backend.forward_partials] receives.
     Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float array, the caches are
-    numpy arrays or :class:`DeviceArray` handles.
+    numpy arrays or [`DeviceArray`][paged_sparse_attn.DeviceArray] handles.
+
+    Attributes
+    ----------
+    q : ndarray [Tq, Hq, D]
+        Queries, float32, float16 or bfloat16.
+    k_cache, v_cache : ndarray or DeviceArray [P, Hkv, S, D]
+        The paged caches, float32, float16 or bfloat16, of one dtype.
+    block_tables : ndarray int32 [B, max_pages]
+        Physical page of every logical page, ``-1`` where none (R2).
+    selected : ndarray int32 [Tq, Hkv, topk]
+        Block ids per (query, KV head), ``-1`` padding (R6).
+    cu_seqlens_q : ndarray int32 [B + 1]
+    used_kv_lens : ndarray int32 [B]
+        ``L_b`` of every sequence (the default already filled in).
+    block_size : int
+    softmax_scale : float
+        Already defaulted to ``1 / sqrt(D)``.
+    causal : bool
     """
 
     q: np.ndarray  # [Tq, Hq, D]

@@ -283,7 +283,7 @@ def validate_forward(
     softmax_scale: Any,
     causal: Any,
 ) -> Problem:
-    """Validate every input of ``forward`` (R1-R8) and return a :class:`Problem`."""
+    """Validate every input of ``forward`` (R1-R8) and return a ``Problem``."""
     q = check_float_array(q, fn, "q", 3)
     if isinstance(q, np.ndarray) is False:
         raise _fail(fn, "q must be a host array", "R1")
@@ -330,11 +330,11 @@ def validate_index(fn: str, index: Any, *, num_queries: int | None = None, num_k
     """Check that ``index`` is a KVOuterIndex consistent with the other arguments (R13).
 
     Besides the sizes the caller knows, every field is checked to be exactly what
-    :func:`build_kvouter_index` makes of the index's own layout (R2-R5) and edges: int32 arrays of
+    ``build_kvouter_index`` makes of the index's own layout (R2-R5) and edges: int32 arrays of
     the right lengths, ids in range, slot groups and rows consistent with the edges, each edge's
     length equal to the R13 formula. A kernel trusts these arrays as page and position indices
     (the GPU kernels have no other bounds), so an index built by hand or modified after it was
-    built must not reach a backend unless it is one :func:`build_kvouter_index` could have made.
+    built must not reach a backend unless it is one ``build_kvouter_index`` could have made.
     """
     if not isinstance(index, KVOuterIndex):
         raise _fail(fn, f"index must be a KVOuterIndex from build_kvouter_index(), got {type(index).__name__}", "R13")

@@ -1,8 +1,8 @@
 """The command line: ``paged-sparse-attn backends | demo | bench | check``.
 
-typer and rich (the ``cli`` extra) are imported inside :func:`build_app`, so importing this
+typer and rich (the ``cli`` extra) are imported inside ``build_app``, so importing this
 module, or the package, never needs them. Every error the package raises on purpose
-(:class:`~paged_sparse_attn.PagedSparseAttnError`) is printed as one line with its rule id, without
+(``PagedSparseAttnError``) is printed as one line with its rule id, without
 a traceback. Exit codes: 0 success; 1 a backend disagreed with the reference or failed (``demo``);
 2 a usage error or an error line; ``check`` and ``bench`` exit with the code of what they ran.
 """
@@ -50,7 +50,7 @@ def _jsonable(x: Any) -> Any:
 
 
 def capabilities_dict(caps: Capabilities) -> Dict[str, Any]:
-    """A backend's :class:`~paged_sparse_attn.Capabilities` as plain JSON-able data."""
+    """A backend's ``Capabilities`` as plain JSON-able data."""
     return {
         "device": caps.device,
         "dtypes": list(caps.dtypes),
@@ -282,7 +282,7 @@ def build_app():  # -> typer.Typer
 
 
 def _print_demo(console: Any, Table: Any, report: Any, tol: float) -> None:
-    """Render a :class:`~paged_sparse_attn.demo.DemoReport` with rich."""
+    """Render a ``DemoReport`` with rich."""
     s = report.sizes
     console.print(f"[bold]paged-sparse-attn demo[/] (seed {report.seed})")
     console.print(f"problem   B={s.seqs} sequences, L={report.lens}, T={report.queries_per_seq} (Tq={s.queries}), "

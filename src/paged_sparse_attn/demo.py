@@ -6,9 +6,9 @@ random order with holes (unmapped pages), spare pages and the tail past each ``L
 NaN (R10: never read). Blocks are picked by the index branch when the package has one, else at
 random (always including the query's own "local" block). The forward is causal (R9).
 
-Every backend's ``(out, lse)`` is compared with :func:`~paged_sparse_attn.dense_reference`
+Every backend's ``(out, lse)`` is compared with ``dense_reference``
 (float64) to a tolerance derived from the dtype (R20). This module needs only numpy; the command
-line (``paged-sparse-attn demo``) renders its :class:`DemoReport`.
+line (``paged-sparse-attn demo``) renders its ``DemoReport``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class DemoSizes:
 
 @dataclass(frozen=True, eq=False)
 class DemoProblem:
-    """A demo problem: the arguments of :func:`~paged_sparse_attn.forward` plus what it shows."""
+    """A demo problem: the arguments of ``forward()`` plus what it shows."""
 
     q: np.ndarray
     k_cache: np.ndarray
@@ -151,7 +151,7 @@ class BackendResult:
 
 @dataclass
 class DemoReport:
-    """Everything the demo found; :attr:`ok` is False if any backend disagreed or failed."""
+    """Everything the demo found; ``ok`` is False if any backend disagreed or failed."""
 
     sizes: DemoSizes
     seed: int
@@ -184,7 +184,7 @@ class DemoReport:
 def tolerance(dtype: Any) -> float:
     """Relative tolerance against the float64 reference for inputs of ``dtype`` (R20).
 
-    The conformance kit's tolerance (:func:`paged_sparse_attn.testing.tolerance`): a multiple of
+    The conformance kit's tolerance (``paged_sparse_attn.testing.tolerance``): a multiple of
     the unit roundoff of the least precise dtype involved, never below float32's. Errors are
     compared with ``tolerance * max(1, max |reference|)``.
     """
@@ -216,7 +216,7 @@ def make_problem(sizes: DemoSizes = DemoSizes(), seed: int = 0,
         Seed of ``numpy.random.default_rng``: the same seed gives the same problem.
     select : callable, optional
         ``select(q, k_cache, block_tables, cu_seqlens_q, used_kv_lens, *, block_size, topk, rng)``
-        returning ``(selected [Tq, Hkv, topk], description)``; default :func:`choose_blocks`.
+        returning ``(selected [Tq, Hkv, topk], description)``; default ``choose_blocks``.
 
     Returns
     -------

@@ -1,6 +1,6 @@
 """The package's exceptions (R17, R18).
 
-Every error raised on purpose by paged_sparse_attn derives from :class:`PagedSparseAttnError`,
+Every error raised on purpose by paged_sparse_attn derives from ``PagedSparseAttnError``,
 so callers can catch the whole family, or the standard base class each one also derives from.
 """
 

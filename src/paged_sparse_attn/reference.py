@@ -49,7 +49,7 @@ def dense_reference(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *
                     block_size, softmax_scale=None, causal=False) -> tuple[np.ndarray, np.ndarray]:
     """Attention over exactly the attended sets of R9, in float64 (the oracle).
 
-    Same arguments as :func:`paged_sparse_attn.forward`; validated the same way (R17).
+    Same arguments as [`forward`][paged_sparse_attn.forward]; validated the same way (R17).
 
     Returns
     -------

@@ -1,8 +1,7 @@
 """The backend registry: built-in backends, entry-point plugins and runtime registrations.
 
 Backends are imported lazily: ``import paged_sparse_attn`` imports no optional dependency, and
-a probe never raises (it returns an :class:`~paged_sparse_attn.Availability` with a reason a
-person can act on). There is never a silent fallback to another backend (R18).
+a probe never raises (it returns an ``Availability`` with a reason a person can act on). There is never a silent fallback to another backend (R18).
 """
 
 from __future__ import annotations
@@ -86,7 +85,8 @@ def register_backend(name: str, factory: Callable[..., Backend] | str, *, replac
         Registry name, used as ``forward(..., backend=name)``.
     factory : callable or str
         A Backend subclass, a zero-argument callable returning a Backend, or ``"module:attr"``.
-        If it has a ``probe()`` classmethod/attribute it is used by :func:`list_backends`.
+        If it has a ``probe()`` classmethod/attribute it is used by
+        [`list_backends`][paged_sparse_attn.list_backends].
     replace : bool
         Allow replacing an existing registration (built-ins included).
     """
@@ -197,7 +197,8 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     ----------
     name : str, Backend or None
         A registered name, ``"module:factory"``, a Backend instance (returned as is), or None for
-        the current default (see :func:`use_backend`; ``"numpy"`` unless changed).
+        the current default (see [`use_backend`][paged_sparse_attn.use_backend]; ``"numpy"``
+        unless changed).
 
     Raises
     ------

@@ -2,18 +2,21 @@
 
 A backend receives problems that are already validated (R1-R8, R17) and an index already built
 (R13); it never re-defines semantics, it only computes them. The API layer checks the backend's
-:class:`~paged_sparse_attn.Capabilities` before calling it (R18).
+``Capabilities`` before calling it (R18).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from .._types import Availability, Capabilities, KVOuterIndex, Partials, Problem
 from ..errors import UnsupportedError
+
+if TYPE_CHECKING:  # for annotations only: index_branch imports this module
+    from ..index_branch._types import IndexProblem, TopkProblem
 
 __all__ = ["Backend"]
 
@@ -21,12 +24,17 @@ __all__ = ["Backend"]
 class Backend(ABC):
     """Abstract backend.
 
-    Subclasses set :attr:`name`, implement :meth:`probe`, :attr:`capabilities` and
-    :meth:`forward_partials`; they may override :meth:`forward` (e.g. to keep partials on the
-    device) and :meth:`combine_partials`.
+    Subclasses set [`name`][paged_sparse_attn.Backend.name], implement
+    [`probe`][paged_sparse_attn.Backend.probe], [`capabilities`][paged_sparse_attn.Backend.capabilities]
+    and [`forward_partials`][paged_sparse_attn.Backend.forward_partials]; they may override
+    [`forward`][paged_sparse_attn.Backend.forward] (e.g. to keep partials on the device) and
+    [`combine_partials`][paged_sparse_attn.Backend.combine_partials]. A backend that runs the
+    index branch (R21-R25) overrides [`block_scores`][paged_sparse_attn.Backend.block_scores] and
+    [`select_topk`][paged_sparse_attn.Backend.select_topk].
     """
 
     name: ClassVar[str] = "abstract"
+    """The name the backend is registered and chosen by (``backend="numpy"``)."""
 
     @classmethod
     def probe(cls) -> Availability:
@@ -66,10 +74,50 @@ class Backend(ABC):
         return self.combine_partials(self.forward_partials(problem, index), index)
 
     # Index branch (R21-R25). Backends that implement it override these.
-    def block_scores(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+    def block_scores(self, problem: IndexProblem) -> np.ndarray:  # pragma: no cover - overridden
+        """Score every block for every (query, KV head) (R22).
+
+        Parameters
+        ----------
+        problem : IndexProblem
+            Validated inputs of [`block_scores`][paged_sparse_attn.index_branch.block_scores]
+            (R21).
+
+        Returns
+        -------
+        ndarray float32 [Tq, Hkv, msb]
+            Max over each block's visible positions of ``softmax_scale * index_q . index_k``;
+            ``-inf`` where no position is visible; NaN where a visible product is NaN. The API
+            layer checks the shape and dtype before returning it.
+
+        Raises
+        ------
+        UnsupportedError
+            The default: this backend does not implement the index branch (R18).
+        """
         raise UnsupportedError(f"backend {self.name!r} does not implement block_scores [R18]")
 
-    def select_topk(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+    def select_topk(self, problem: TopkProblem) -> np.ndarray:  # pragma: no cover - overridden
+        """Exp-free top-k of every (query, KV head) row of block scores (R24).
+
+        Parameters
+        ----------
+        problem : TopkProblem
+            Validated inputs of [`select_topk`][paged_sparse_attn.index_branch.select_topk] (R23).
+
+        Returns
+        -------
+        ndarray int32 [Tq, Hkv, topk]
+            Per row: the forced local block first (with ``force_local``), then the other blocks
+            by descending score, ties to the lower block id; ``-1`` padding at the end. NaN and
+            ``-inf`` scores are never selected (the forced local block excepted). The API layer
+            checks the result before returning it.
+
+        Raises
+        ------
+        UnsupportedError
+            The default: this backend does not implement the index branch (R18).
+        """
         raise UnsupportedError(f"backend {self.name!r} does not implement select_topk [R18]")
 
     def plans_forward(self, problem: Problem) -> bool:

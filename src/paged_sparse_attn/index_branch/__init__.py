@@ -1,8 +1,8 @@
 """MSA's index branch: which blocks each query attends (R21-R25).
 
 A cheap index query per (query, KV head) scores every block by the max of its dot products with
-the block's index keys (:func:`block_scores`); an exp-free top-k keeps the best blocks, always
-including the query's own block (:func:`select_topk`); :func:`sparse_attention` chains both with
+the block's index keys (``block_scores``); an exp-free top-k keeps the best blocks, always
+including the query's own block (``select_topk``); ``sparse_attention`` chains both with
 the block-sparse forward on one backend.
 """
 

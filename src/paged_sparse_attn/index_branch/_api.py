@@ -107,8 +107,8 @@ def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_le
     Parameters
     ----------
     scores : array [Tq, Hkv, msb], float32 (float16/bfloat16 widened exactly)
-        Block scores, e.g. from :func:`block_scores`. float64 is refused (rounding it could
-        create ties); cast it first.
+        Block scores, e.g. from [`block_scores`][paged_sparse_attn.index_branch.block_scores].
+        float64 is refused (rounding it could create ties); cast it first.
     topk : int
         Slots per row, ``>= 0`` (``>= 1`` with ``force_local``). May exceed ``msb``.
     force_local : bool
@@ -126,7 +126,7 @@ def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_le
         Per row: the local block first (with ``force_local``), then the other blocks by
         descending score, ties to the lower block id; ``-1`` padding at the end. NaN and
         ``-inf`` scores are never selected (the forced local block excepted). Ids are unique
-        per row, so the result is a valid ``selected`` for :func:`paged_sparse_attn.forward`.
+        per row, so the result is a valid ``selected`` for [`forward`][paged_sparse_attn.forward].
 
     Raises
     ------
@@ -183,7 +183,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     index_k_cache : array [P, Hk_idx, S, d_idx]
         Paged like ``k_cache``: same ``P`` and page size ``S``; ``Hk_idx`` is 1 or ``Hkv``.
     block_tables, cu_seqlens_q, used_kv_lens, block_size
-        As in :func:`paged_sparse_attn.forward`.
+        As in [`forward`][paged_sparse_attn.forward].
     topk : int
         Blocks per (query, KV head), ``>= 1``, the local block included.
     causal : bool

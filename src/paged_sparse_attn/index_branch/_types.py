@@ -18,7 +18,7 @@ __all__ = ["IndexProblem", "TopkProblem"]
 
 @dataclass(frozen=True, eq=False)
 class IndexProblem:
-    """A validated :func:`~paged_sparse_attn.index_branch.block_scores` problem (R21, R22).
+    """A validated [`block_scores`][paged_sparse_attn.index_branch.block_scores] problem (R21, R22).
 
     Attributes
     ----------
@@ -92,7 +92,7 @@ class IndexProblem:
 
 @dataclass(frozen=True, eq=False)
 class TopkProblem:
-    """A validated :func:`~paged_sparse_attn.index_branch.select_topk` problem (R23, R24).
+    """A validated [`select_topk`][paged_sparse_attn.index_branch.select_topk] problem (R23, R24).
 
     Attributes
     ----------

@@ -34,7 +34,7 @@ def block_scores_reference(index_q, index_k_cache, block_tables, cu_seqlens_q, u
                            block_size, softmax_scale=None, causal=True) -> np.ndarray:
     """Block scores of R22 with plain loops, in float64.
 
-    Same arguments as :func:`paged_sparse_attn.index_branch.block_scores` (validated the same way).
+    Same arguments as ``block_scores`` (validated the same way).
 
     Returns
     -------
@@ -70,7 +70,7 @@ def select_topk_reference(scores, topk, *, force_local=True, cu_seqlens_q=None, 
                           block_size=None) -> np.ndarray:
     """Top-k of R24 with Python's ``sorted`` on the key ``(-score, block id)``.
 
-    Same arguments as :func:`paged_sparse_attn.index_branch.select_topk`.
+    Same arguments as ``select_topk``.
 
     Returns
     -------

@@ -1,11 +1,11 @@
 """Testing tools: strategies, dtype-derived assertions and the backend conformance kit.
 
-* :mod:`paged_sparse_attn.testing.strategies` -- hypothesis strategies of valid and invalid
+* ``paged_sparse_attn.testing.strategies`` -- hypothesis strategies of valid and invalid
   problems (needs the ``test`` extra; imported only when you import it).
-* :mod:`paged_sparse_attn.testing.assertions` -- :func:`assert_attention_close` and
-  :func:`tolerance`, tolerances derived from the dtype (R20).
-* :mod:`paged_sparse_attn.testing.oracle` -- the rules as small independent numpy formulas.
-* :func:`run_conformance` -- run the packaged property suite
+* ``paged_sparse_attn.testing.assertions`` -- ``assert_attention_close`` and
+  ``tolerance``, tolerances derived from the dtype (R20).
+* ``paged_sparse_attn.testing.oracle`` -- the rules as small independent numpy formulas.
+* ``run_conformance`` -- run the packaged property suite
   (``paged_sparse_attn/testing/test_conformance.py``) against a backend.
 
 Importing this package imports neither hypothesis nor pytest.

@@ -121,7 +121,7 @@ def assert_attention_close(out, ref, *, dtype, lse=None, ref_lse=None, tol: Tole
     out : array [Tq, Hq, D]
         The result under test (float32 from a backend).
     ref : array [Tq, Hq, D]
-        The reference (e.g. float64 from :func:`paged_sparse_attn.dense_reference`).
+        The reference (e.g. float64 from [`dense_reference`][paged_sparse_attn.dense_reference]).
     dtype : dtype or tuple of dtypes
         Dtype(s) of the data the result was computed from, e.g. ``problem.dtypes``.
     lse, ref_lse : array [Tq, Hq], optional

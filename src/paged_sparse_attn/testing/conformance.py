@@ -46,7 +46,7 @@ def plugin_args() -> list[str]:
 
 
 def pytest_args(backend_spec: str, profile: str | None = "ci", extra_args: Sequence[str] = ()) -> list[str]:
-    """The pytest command-line arguments of :func:`run_conformance`."""
+    """The pytest command-line arguments of ``run_conformance``."""
     args = ["--pyargs", SUITE, "--backend", backend_spec, "--require-backend", backend_spec,
             "-p", "no:cacheprovider", *plugin_args()]
     if profile:

@@ -2,7 +2,7 @@
 
 Loads the default hypothesis profile (``ci`` when ``CI`` is true, else ``dev``) unless
 ``--hypothesis-profile`` chose one. The options and the ``backend`` fixture come from the plugin
-:mod:`paged_sparse_attn.testing.pytest_plugin`.
+``paged_sparse_attn.testing.pytest_plugin``.
 """
 
 from paged_sparse_attn.testing.profiles import load_default_profile

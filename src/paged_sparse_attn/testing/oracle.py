@@ -61,7 +61,7 @@ def read_cells(p: AttentionProblem, mask: np.ndarray | None = None) -> np.ndarra
     Parameters
     ----------
     mask : ndarray [Tq, Hkv, msb * BS], optional
-        Attended positions (default :func:`attended_mask`).
+        Attended positions (default ``attended_mask``).
     """
     mask = attended_mask(p) if mask is None else mask
     bt = np.asarray(p.block_tables, dtype=np.int64)

@@ -21,7 +21,7 @@ FORWARD_ARGS = ("q", "k_cache", "v_cache", "block_tables", "selected", "cu_seqle
 
 @dataclass(frozen=True, eq=False)
 class AttentionProblem:
-    """A complete, valid forward problem (R1-R8): the arguments of :func:`paged_sparse_attn.forward`.
+    """A complete, valid forward problem (R1-R8): the arguments of ``forward()``.
 
     Attributes
     ----------

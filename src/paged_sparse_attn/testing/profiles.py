@@ -57,7 +57,7 @@ def default_profile() -> str:
 
 
 def load_default_profile(config: Any) -> str | None:
-    """Load :func:`default_profile` unless ``--hypothesis-profile`` chose one; returns the loaded name."""
+    """Load ``default_profile`` unless ``--hypothesis-profile`` chose one; returns the loaded name."""
     try:
         from hypothesis import settings
     except ImportError:

@@ -84,7 +84,7 @@ def cu_seqlens(draw, *, num_seqs=st.integers(1, 3), queries_per_seq=st.integers(
 # --- block tables ----------------------------------------------------------------------------
 
 class PageTable(tuple):
-    """``(block_tables [B, max_pages] int32, num_pages)``, as drawn by :func:`block_tables`."""
+    """``(block_tables [B, max_pages] int32, num_pages)``, as drawn by ``block_tables``."""
 
     __slots__ = ()
 
@@ -326,7 +326,7 @@ def problems(
     softmax_scale : strategy
         None means the R8 default.
     values : str, sequence or strategy
-        Value kind, see :func:`make_values`.
+        Value kind, see ``make_values``.
     """
     # structure first ...
     dts = _dtype_choices(caps, dtypes)
@@ -643,7 +643,7 @@ def invalid_problems(draw, *, caps: Capabilities | None = None, rules: Sequence[
                      **problem_kwargs) -> InvalidCall:
     """A call of ``forward`` that violates exactly one rule, tagged with its id (R17).
 
-    A small valid problem is drawn (within ``caps``), then one mutation of :data:`MUTATIONS`
+    A small valid problem is drawn (within ``caps``), then one mutation of ``MUTATIONS``
     for one of ``rules`` is applied.
 
     Parameters
@@ -653,7 +653,7 @@ def invalid_problems(draw, *, caps: Capabilities | None = None, rules: Sequence[
     rules : sequence of str
         Rule ids to draw from (default R1-R8).
     **problem_kwargs
-        Passed to :func:`problems` for the base problem.
+        Passed to ``problems`` for the base problem.
     """
     rules = list(rules)
     unknown = [r for r in rules if r not in MUTATIONS]

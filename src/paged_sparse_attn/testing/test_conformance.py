@@ -6,9 +6,9 @@ re-exports these tests) or, for any backend, with::
     pytest --pyargs paged_sparse_attn.testing --backend NAME_OR_MODULE:FACTORY
 
 Each test is named after the rule it checks. Problems come from
-:mod:`paged_sparse_attn.testing.strategies` within the backend's declared capabilities; expected
-values come from :func:`paged_sparse_attn.dense_reference` or from the independent formulas of
-:mod:`paged_sparse_attn.testing.oracle`; tolerances from the dtype (R20).
+``paged_sparse_attn.testing.strategies`` within the backend's declared capabilities; expected
+values come from [`dense_reference`][paged_sparse_attn.dense_reference] or from the independent formulas of
+``paged_sparse_attn.testing.oracle``; tolerances from the dtype (R20).
 """
 
 from __future__ import annotations
