@@ -66,10 +66,10 @@ class Backend(ABC):
         return self.combine_partials(self.forward_partials(problem, index), index)
 
     # Index branch (R21-R25). Backends that implement it override these.
-    def block_scores(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+    def block_scores(self, problem) -> np.ndarray:
         raise UnsupportedError(f"backend {self.name!r} does not implement block_scores [R18]")
 
-    def select_topk(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+    def select_topk(self, problem) -> np.ndarray:
         raise UnsupportedError(f"backend {self.name!r} does not implement select_topk [R18]")
 
     def close(self) -> None:
