@@ -43,7 +43,9 @@ class Capabilities:
     Attributes
     ----------
     dtypes : tuple of str
-        Cache (and query) dtypes the backend runs, e.g. ``("float32", "float16")``.
+        Cache dtypes the backend runs (``k_cache``/``v_cache``, ``index_k_cache``), e.g.
+        ``("float32", "float16")``. Queries (``q``, ``index_q``) of any R7 dtype reach every
+        backend widened exactly to float32 (R7), so they are not listed.
     max_head_dim : int or None
         Largest head dimension D, None for no limit.
     max_page_size : int or None
@@ -101,8 +103,9 @@ class DeviceArray:
 class Problem:
     """A validated forward problem (R1-R8); built only by the validation layer.
 
-    Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float array, the caches are
-    numpy arrays or :class:`DeviceArray` handles.
+    Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float32 array (widened
+    exactly from any R7 dtype, R7), the caches are numpy arrays of an R7 dtype or
+    :class:`DeviceArray` handles.
     """
 
     q: np.ndarray  # [Tq, Hq, D]
