@@ -458,3 +458,27 @@ def test_R20_D256_and_thousands_of_positions_stay_within_the_derived_bound(backe
     bumped[0, 0, 0] += 2 * tol.out_limit(0.0)
     with pytest.raises(AssertionError, match="R20"):
         assert_attention_close(bumped, ref, dtype=f32, tol=tol)
+
+
+# --- zero sizes of the other public functions (the special-case lists of the numerics page) ---
+
+def test_R14_no_edge_gives_partials_of_zero_edges():
+    index = psa.build_kvouter_index(np.full((2, 1, 1), -1), np.array([[0]]), np.array([0, 2]),
+                                    block_size=2, page_size=2)
+    k = np.zeros((1, 1, 2, 4), f32)
+    parts = psa.forward_partials(np.zeros((2, 3, 4), f32), k, k, index)
+    assert parts.o.shape == (0, 3, 4) and parts.m.shape == parts.l.shape == (0, 3)
+    out, lse = psa.combine_partials(parts, index)
+    assert (out == 0).all() and np.isneginf(lse).all() and out.shape == (2, 3, 4)
+
+
+def test_R22_zero_queries_give_an_empty_score_array():
+    scores = block_scores(np.zeros((0, 2, 4), f32), np.zeros((1, 1, 2, 4), f32), np.zeros((0, 3), int),
+                          np.array([0]), block_size=2)
+    assert scores.shape == (0, 2, 3) and scores.dtype == np.float32
+
+
+@pytest.mark.parametrize("Tq,topk", [(0, 2), (3, 0)])
+def test_R24_zero_queries_or_zero_slots_give_an_empty_selection(Tq, topk):
+    sel = select_topk(np.zeros((Tq, 2, 4), f32), topk, force_local=False)
+    assert sel.shape == (Tq, 2, topk) and sel.dtype == np.int32
