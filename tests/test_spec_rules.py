@@ -535,7 +535,7 @@ def _states(seed, n=5, D=3):
     lse = rng.standard_normal(n) * 3
     lse[0] = -np.inf
     o[0] = 0
-    return o, lse
+    return o.astype(f32), lse.astype(f32)  # states as forward() returns them (R11)
 
 
 def test_R16_merge_is_commutative_associative_with_identity():
@@ -544,13 +544,13 @@ def test_R16_merge_is_commutative_associative_with_identity():
     ob[1] = 0
     o1, l1 = psa.merge_states(oa, la, ob, lb)
     o2, l2 = psa.merge_states(ob, lb, oa, la)
-    np.testing.assert_allclose(o1, o2, rtol=1e-12, atol=1e-12)
-    np.testing.assert_array_equal(np.isneginf(l1), np.isneginf(l2))
-    np.testing.assert_allclose(l1, l2, rtol=1e-12)
+    np.testing.assert_array_equal(o1, o2)  # the formula is symmetric: same bits
+    np.testing.assert_array_equal(l1, l2)
     left = psa.merge_states(*psa.merge_states(oa, la, ob, lb), oc, lc)
     right = psa.merge_states(oa, la, *psa.merge_states(ob, lb, oc, lc))
-    np.testing.assert_allclose(left[0], right[0], rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(left[1], right[1], rtol=1e-12)
+    eps = np.finfo(f32).eps  # each grouping rounds its intermediate state to float32 (R11)
+    np.testing.assert_allclose(left[0], right[0], rtol=8 * eps, atol=8 * eps)
+    np.testing.assert_allclose(left[1], right[1], rtol=8 * eps)
     zero, ninf = np.zeros_like(oa), np.full_like(la, -np.inf)
     oi, li = psa.merge_states(oa, la, zero, ninf)
     np.testing.assert_array_equal(oi, oa)

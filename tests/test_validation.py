@@ -217,7 +217,7 @@ def test_R13_forward_partials_refuses_a_foreign_index():
         call_partials({**d, "index": _index_of(d, block_size=4, page_size=4)})
     with pytest.raises(psa.SpecError, match=r"Hkv=2 KV heads, k_cache has 1 \[R13\]"):
         call_partials({**d, "q": d["q"][:, :2], "k": d["k"][:, :1], "v": d["v"][:, :1]})
-    with pytest.raises(psa.SpecError, match=r"references page 4, k_cache has P=4 \[R2\]"):
+    with pytest.raises(psa.SpecError, match=r"block_tables contains 4 at \[0, 6\], expected -1 or a page id in \[0, 4\) \[R2\]"):
         call_partials({**d, "k": d["k"][:4], "v": d["v"][:4]})
 
 

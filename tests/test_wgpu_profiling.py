@@ -58,7 +58,8 @@ def test_profile_forward_replay_times_each_replay_and_keeps_results(WgpuBackend)
         assert len(per) == 3
         for part, comb, total in per:
             assert part > 0 and comb > 0 and total >= part + comb - 1e-9
-        assert prof["total_s"] == pytest.approx(float(np.median([t for t, _, _ in prof["samples"]])))
+        totals = [t for t, _, _ in prof["samples"]]
+        assert min(totals) <= prof["total_s"] <= max(totals)  # a typical sample, not a sum or a mean of parts
         # the same calls in one pass (as forward() encodes them), timed around it, per replay
         assert prof["call_s"] > 0
     auto = be.profile_forward(p, idx, repeat=1, replay="auto")

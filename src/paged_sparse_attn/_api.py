@@ -15,6 +15,7 @@ from ._validation import (
     validate_index,
     validate_index_inputs,
     validate_partials,
+    widen_query,
 )
 from .backends.base import Backend
 from .errors import UnsupportedError
@@ -59,7 +60,7 @@ def check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
 
 def _run_checks(backend: Backend, fn: str, p: Problem) -> None:
     dev = check_owner(backend, fn, p.k_cache, p.v_cache)
-    # q is any R7 dtype on every backend (backends widen it exactly); caches are capability-bound
+    # q was widened exactly to float32 by the validation (R7): only the cache dtype is capability-bound
     check_capabilities(backend, fn, dtypes=(p.cache_dtype,), head_dim=p.head_dim,
                        page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
 
@@ -70,9 +71,10 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
 
     Parameters
     ----------
-    q : array [Tq, Hq, D], float32 or float16
-        Packed queries of all sequences.
-    k_cache, v_cache : array [P, Hkv, S, D], same shape and dtype (float32 or float16)
+    q : array [Tq, Hq, D], float32, float16 or bfloat16
+        Packed queries of all sequences; any R7 dtype, independent of the cache dtype, widened
+        exactly to float32 before the backend sees it (R7).
+    k_cache, v_cache : array [P, Hkv, S, D], same shape and dtype (float32, float16 or bfloat16)
         Paged caches (S = page size), or device-resident handles of the backend.
     block_tables : int array [B, max_pages]
         Physical page of each logical page, -1 = unmapped (R2).
@@ -85,9 +87,10 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     block_size : int
         Positive multiple of the page size (R5).
     softmax_scale : float, optional
-        Default ``1 / sqrt(D)`` (R8).
+        Default ``1 / sqrt(D)``; any finite real of float32 range, zero and negative included (R8).
     causal : bool
         Right-aligned causal mask: query i of T_b sees positions ``<= L_b - T_b + i`` (R9).
+        Default False (``block_scores`` and ``sparse_attention`` default to True, R8).
     backend : str, Backend or None
         None: the default backend (``"numpy"``, see
         [`use_backend`][paged_sparse_attn.use_backend]), or the backend holding device-resident
@@ -98,7 +101,7 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     Returns
     -------
     out : ndarray float32 [Tq, Hq, D]
-        0 for queries whose attended set is empty.
+        0 for queries whose attended set is empty (R11); NaN and Inf as R26 says.
     lse : ndarray float32 [Tq, Hq]
         Only with ``return_lse=True``; -inf for empty sets.
 
@@ -146,6 +149,7 @@ def build_kvouter_index(selected, block_tables, cu_seqlens_q, used_kv_lens=None,
     used_kv_lens : int array [B], optional
     block_size, page_size : int
     causal : bool
+        Default False, as in :func:`forward` (R8).
 
     Returns
     -------
@@ -179,7 +183,7 @@ def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, backend=
         an edge that attends nothing has ``m = -inf``, ``l = 0``, ``o = 0``.
     """
     fn = "forward_partials"
-    q = check_float_array(q, fn, "q", 3)
+    q = widen_query(check_float_array(q, fn, "q", 3))  # R7: backends receive float32 q
     k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
     v_cache = check_float_array(v_cache, fn, "v_cache", 4, allow_device=True)
     if tuple(k_cache.shape) != tuple(v_cache.shape) or np.dtype(k_cache.dtype) != np.dtype(v_cache.dtype):

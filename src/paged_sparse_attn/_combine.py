@@ -16,7 +16,8 @@ def combine_partials_numpy(partials: Partials, index: KVOuterIndex, *,
     The edges of a row are at most ``topk``; the combine walks them in *layers* (the j-th edge of
     every row that has one), so each step is a dense, contiguous update of all rows, and the sum
     order is the rank order of ``selected`` (deterministic, R19). A row whose edges all have
-    ``m = -inf`` (or that has no edge) gives ``out = 0``, ``lse = -inf`` (R11). ``o_row``, when
+    ``m = -inf`` (or that has no edge) gives ``out = 0``, ``lse = -inf`` (R11); an edge with
+    ``m = -inf`` is skipped, and a NaN or ``+inf`` maximum makes the row NaN (R26). ``o_row``, when
     given, maps edge e to its row of ``partials.o`` (a backend's padded buffer).
     """
     o, m, l = partials.o, partials.m, partials.l
@@ -42,10 +43,14 @@ def combine_partials_numpy(partials: Partials, index: KVOuterIndex, *,
     acc = np.zeros((R, G, D), dtype=np.float32)
     for rows, e in layers:
         m_e = np.take(m, e, axis=0)
+        live = m_e != -np.inf  # an edge with m = -inf is skipped: its l and o are not read
+        l_e, o_e = np.take(l, e, axis=0), np.take(o, e if o_row is None else o_row[e], axis=0)
+        if not live.all():
+            l_e, o_e = np.where(live, l_e, 0), np.where(live[..., None], o_e, 0)
         with np.errstate(invalid="ignore", over="ignore"):
-            w = np.where(m_e > -np.inf, np.exp(m_e - Ms[rows]), 0).astype(np.float32)  # exp(m_e - M)
-        lsum[rows] += w * np.take(l, e, axis=0)
-        acc[rows] += w[..., None] * np.take(o, e if o_row is None else o_row[e], axis=0)
+            w = np.where(live, np.exp(m_e - Ms[rows]), 0).astype(np.float32)  # exp(m_e - M)
+            lsum[rows] += w * l_e
+            acc[rows] += w[..., None] * o_e
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(ok[..., None], acc / np.where(ok, lsum, 1)[..., None], 0).astype(np.float32)
         lse = np.where(ok, M + np.log(np.where(ok, lsum, 1)), -np.inf).astype(np.float32)

@@ -43,7 +43,9 @@ class Capabilities:
     Attributes
     ----------
     dtypes : tuple of str
-        Cache (and query) dtypes the backend runs, e.g. ``("float32", "float16")``.
+        Cache dtypes the backend runs (``k_cache``/``v_cache``, ``index_k_cache``), e.g.
+        ``("float32", "float16")``. Queries (``q``, ``index_q``) of any R7 dtype reach every
+        backend widened exactly to float32 (R7), so they are not listed.
     max_head_dim : int or None
         Largest head dimension D, None for no limit.
     max_page_size : int or None
@@ -103,13 +105,14 @@ class Problem:
     """A validated forward problem (R1-R8); built only by the validation layer.
 
     What a backend's [`forward_partials`][paged_sparse_attn.Backend.forward_partials] receives.
-    Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float array, the caches are
-    numpy arrays or [`DeviceArray`][paged_sparse_attn.DeviceArray] handles.
+    Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float32 array (widened
+    exactly from any R7 dtype, R7), the caches are numpy arrays of an R7 dtype or
+    [`DeviceArray`][paged_sparse_attn.DeviceArray] handles.
 
     Attributes
     ----------
     q : ndarray [Tq, Hq, D]
-        Queries, float32, float16 or bfloat16.
+        Queries, float32 (widened exactly from any R7 dtype).
     k_cache, v_cache : ndarray or DeviceArray [P, Hkv, S, D]
         The paged caches, float32, float16 or bfloat16, of one dtype.
     block_tables : ndarray int32 [B, max_pages]

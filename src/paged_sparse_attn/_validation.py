@@ -27,6 +27,7 @@ __all__ = [
     "check_causal",
     "check_layout",
     "check_capacity",
+    "widen_query",
     "validate_forward",
     "validate_index_inputs",
     "validate_index",
@@ -144,16 +145,28 @@ def check_page_size(page_size: Any, fn: str) -> int:
     return s
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_softmax_scale(scale: Any, head_dim: int, fn: str) -> float:
-    """R8: a finite real number; default 1/sqrt(D)."""
+    """R8: a real number (int or float, not bool), finite in float32, any sign; default 1/sqrt(D)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
         raise _fail(fn, f"softmax_scale must be a finite float, got {scale!r}", "R8")
     value = float(scale)
+    # scores are float32 (R12, R26): a scale that is infinite in float32 is not a finite scale
     if not math.isfinite(value):
         raise _fail(fn, f"softmax_scale must be a finite float, got {value}", "R8")
+    if abs(value) > _F32_MAX:
+        raise _fail(fn, f"softmax_scale must be finite in float32 (|softmax_scale| <= {_F32_MAX:.8g}), "
+                    f"got {value:g}", "R8")
     return value
+
+
+def widen_query(q: np.ndarray) -> np.ndarray:
+    """R7: ``q`` of any accepted float dtype, widened exactly to float32 (what backends receive)."""
+    return q if q.dtype == np.float32 else np.ascontiguousarray(q, dtype=np.float32)
 
 
 def check_causal(causal: Any, fn: str) -> bool:
@@ -285,8 +298,6 @@ def validate_forward(
 ) -> Problem:
     """Validate every input of ``forward`` (R1-R8) and return a ``Problem``."""
     q = check_float_array(q, fn, "q", 3)
-    if isinstance(q, np.ndarray) is False:
-        raise _fail(fn, "q must be a host array", "R1")
     k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
     v_cache = check_float_array(v_cache, fn, "v_cache", 4, allow_device=True)
     if tuple(k_cache.shape) != tuple(v_cache.shape):
@@ -309,7 +320,7 @@ def validate_forward(
     )
     scale = check_softmax_scale(softmax_scale, D, fn)
     causal = check_causal(causal, fn)
-    return Problem(q, k_cache, v_cache, bt, sel, cu, lens, bs, scale, causal)
+    return Problem(widen_query(q), k_cache, v_cache, bt, sel, cu, lens, bs, scale, causal)
 
 
 def validate_index_inputs(
@@ -344,10 +355,6 @@ def validate_index(fn: str, index: Any, *, num_queries: int | None = None, num_k
         raise _fail(fn, f"index was built for Hkv={index.num_kv_heads} KV heads, k_cache has {num_kv_heads}", "R13")
     if page_size is not None and index.page_size != page_size:
         raise _fail(fn, f"index was built for page_size={index.page_size}, k_cache has {page_size}", "R13")
-    bt = getattr(index, "block_tables", None)
-    if num_pages is not None and isinstance(bt, np.ndarray) and bt.size and bt.dtype.kind in "iu" \
-            and int(bt.max()) >= num_pages:
-        raise _fail(fn, f"index.block_tables references page {int(bt.max())}, k_cache has P={num_pages}", "R2")
     _check_index_fields(fn, index, num_pages)
     return index
 

@@ -20,7 +20,7 @@ class PagedSparseAttnError(Exception):
 
 
 class SpecError(PagedSparseAttnError, ValueError):
-    """An input violates one of the rules R1-R8 (R17).
+    """An input violates a rule on valid inputs: R1-R8, R13, R14, R16, R21, R23 or R25 (R17).
 
     The message names the function, the argument, what was expected, what was got and the rule
     id, e.g. ``forward(): selected contains block id 9 >= msb=8 at [3, 0, 2] [R6]``. Raised before

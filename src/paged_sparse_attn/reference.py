@@ -14,7 +14,7 @@ import numpy as np
 
 from ._validation import validate_forward
 
-__all__ = ["dense_reference", "attended_positions", "merge_states", "lse_to_base2", "lse_from_base2"]
+__all__ = ["dense_reference", "float32_scores", "attended_positions", "merge_states", "lse_to_base2", "lse_from_base2"]
 
 
 def attended_positions(block_tables, selected_row, L: int, T: int, i: int, *, block_size: int,
@@ -45,6 +45,20 @@ def attended_positions(block_tables, selected_row, L: int, T: int, i: int, *, bl
     # --8<-- [end:attended]
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def float32_scores(z: np.ndarray) -> np.ndarray:
+    """Scores as float32 arithmetic has them (R26): a magnitude beyond the float32 range is +-inf.
+
+    ``z`` stays float64 (no rounding of finite scores, which R20's tolerance covers); only the
+    overflow of float32 is modelled, so that the reference and a float32 backend agree on it.
+    """
+    with np.errstate(invalid="ignore"):
+        big = np.abs(z) > _F32_MAX  # False for NaN
+    return np.where(big, np.copysign(np.inf, z), z)
+
+
 def dense_reference(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens=None,
                     block_size, softmax_scale=None, causal=False) -> tuple[np.ndarray, np.ndarray]:
     """Attention over exactly the attended sets of R9, in float64 (the oracle).
@@ -54,9 +68,10 @@ def dense_reference(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *
     Returns
     -------
     out : ndarray float64 [Tq, Hq, D]
-        0 for rows with an empty attended set.
+        0 for rows with an empty attended set, or whose attended scores are all -inf (R26).
     lse : ndarray float64 [Tq, Hq]
-        Natural-log log-sum-exp of the scaled scores; -inf for empty rows.
+        Natural-log log-sum-exp of the scaled scores; -inf for those rows. A NaN or +inf score
+        makes out and lse NaN; scores beyond the float32 range are +-inf (R26).
     """
     p = validate_forward("dense_reference", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
@@ -81,10 +96,19 @@ def dense_reference(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *
                 v = vc[pages, h, [x % S for x in pos]].astype(np.float64)
                 for g in range(G):
                     hq = h * G + g  # query head hq reads KV head hq // G (R1)
-                    scores = p.softmax_scale * (k @ p.q[t, hq].astype(np.float64))
-                    mx = scores.max()
-                    e = np.exp(scores - mx)
-                    out[t, hq] = (e @ v) / e.sum()
+                    with np.errstate(invalid="ignore"):  # inf * 0 in non-finite data: NaN (R26)
+                        z = float32_scores(p.softmax_scale * (k @ p.q[t, hq].astype(np.float64)))
+                    keep = z != -np.inf  # a -inf score removes its position (R26)
+                    if not keep.any():
+                        continue  # every attended score is -inf: like an empty set (R26)
+                    z, vk = z[keep], v[keep]
+                    if np.isnan(z).any() or (z == np.inf).any():
+                        out[t, hq], lse[t, hq] = np.nan, np.nan  # NaN or +inf score (R26)
+                        continue
+                    mx = z.max()
+                    e = np.exp(z - mx)
+                    with np.errstate(invalid="ignore"):  # 0 * inf, inf - inf in values (R26)
+                        out[t, hq] = (e @ vk) / e.sum()
                     lse[t, hq] = mx + math.log(e.sum())
     # --8<-- [end:dense]
     return out, lse
@@ -106,39 +130,45 @@ def merge_states(o_a, lse_a, o_b, lse_b) -> tuple[np.ndarray, np.ndarray]:
 
     Parameters
     ----------
-    o_a, o_b : ndarray [..., D]
-        Normalised outputs.
-    lse_a, lse_b : ndarray [...]
-        Their natural-log log-sum-exp (``-inf`` for an empty set).
+    o_a, o_b : float array [..., D]
+        Normalised outputs, of the same shape (at least 1-D; no broadcasting).
+    lse_a, lse_b : float array [...]
+        Their natural-log log-sum-exp (``-inf`` for an empty set), of shape ``o_a.shape[:-1]``.
+        Any float dtype (float16, bfloat16, float32, float64); computed in float64.
 
     Returns
     -------
-    o : ndarray [..., D]
-    lse : ndarray [...]
-        In the result dtype of the inputs (at least float32). ``(0, -inf)`` is the identity; the
-        merge is commutative and associative.
+    o : ndarray float32 [..., D]
+    lse : ndarray float32 [...]
+        ``(0, -inf)`` is the identity (the other state comes back exactly, its ``o`` unread);
+        the merge is commutative and associative. A NaN or ``+inf`` lse on either side gives
+        NaN ``o`` and ``lse``; NaN and Inf in ``o`` propagate (R16).
     """
     o_a, lse_a, o_b, lse_b = (_as_float(x, n) for x, n in ((o_a, "o_a"), (lse_a, "lse_a"), (o_b, "o_b"), (lse_b, "lse_b")))
-    if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape or o_a.shape[:-1] != lse_a.shape:
+    if (o_a.ndim < 1 or o_a.shape != o_b.shape or lse_a.shape != lse_b.shape
+            or o_a.shape[:-1] != lse_a.shape):
         from .errors import SpecError
 
         raise SpecError(
-            f"merge_states(): expected o_a, o_b [..., D] and lse_a, lse_b [...] of matching shapes, "
-            f"got {o_a.shape}, {lse_a.shape}, {o_b.shape}, {lse_b.shape} [R16]", "R16")
-    dt = np.result_type(o_a, o_b, lse_a, lse_b, np.float32)
+            f"merge_states(): expected o_a, o_b [..., D] and lse_a, lse_b [...] of exactly matching shapes "
+            f"(no broadcasting), got {o_a.shape}, {lse_a.shape}, {o_b.shape}, {lse_b.shape} [R16]", "R16")
     # --8<-- [start:merge]
     a, b = lse_a.astype(np.float64), lse_b.astype(np.float64)
-    M = np.maximum(a, b)
-    ok = M != -np.inf  # NaN propagates; only (.., -inf) on both sides is empty
-    Ms = np.where(ok, M, 0.0)
-    wa = np.where(a > -np.inf, np.exp(a - Ms), 0.0)  # exp(-inf) = 0 exactly, no nan
-    wb = np.where(b > -np.inf, np.exp(b - Ms), 0.0)
-    tot = wa + wb
-    with np.errstate(divide="ignore", invalid="ignore"):
-        o = np.where(ok[..., None], (wa[..., None] * o_a + wb[..., None] * o_b) / np.where(ok, tot, 1)[..., None], 0.0)
-        lse = np.where(ok, M + np.log(np.where(ok, tot, 1)), -np.inf)
+    oa, ob = o_a.astype(np.float64), o_b.astype(np.float64)
+    ea, eb = a == -np.inf, b == -np.inf  # empty sides: weight 0, o never read
+    bad = np.isnan(a) | np.isnan(b) | (a == np.inf) | (b == np.inf)  # result NaN
+    ok = ~(ea & eb) & ~bad
+    M = np.where(ok, np.maximum(np.where(ea, b, a), np.where(eb, a, b)), 0.0)
+    wa = np.where(ok & ~ea, np.exp(np.where(ok & ~ea, a, 0.0) - M), 0.0)  # exp(a - M) <= 1
+    wb = np.where(ok & ~eb, np.exp(np.where(ok & ~eb, b, 0.0) - M), 0.0)
+    tot = np.where(ok, wa + wb, 1.0)  # >= 1: the larger side has weight 1
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN / Inf in o propagate (IEEE)
+        o = (np.where(ea[..., None], 0.0, wa[..., None] * oa)
+             + np.where(eb[..., None], 0.0, wb[..., None] * ob)) / tot[..., None]
+    o = np.where(bad[..., None], np.nan, np.where((ea & eb)[..., None], 0.0, o))
+    lse = np.where(bad, np.nan, np.where(ok, M + np.log(tot), -np.inf))
     # --8<-- [end:merge]
-    return o.astype(dt), lse.astype(dt)
+    return o.astype(np.float32), lse.astype(np.float32)
 
 
 def lse_to_base2(lse):

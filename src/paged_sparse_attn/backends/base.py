@@ -74,7 +74,7 @@ class Backend(ABC):
         return self.combine_partials(self.forward_partials(problem, index), index)
 
     # Index branch (R21-R25). Backends that implement it override these.
-    def block_scores(self, problem: IndexProblem) -> np.ndarray:  # pragma: no cover - overridden
+    def block_scores(self, problem: IndexProblem) -> np.ndarray:
         """Score every block for every (query, KV head) (R22).
 
         Parameters
@@ -97,7 +97,7 @@ class Backend(ABC):
         """
         raise UnsupportedError(f"backend {self.name!r} does not implement block_scores [R18]")
 
-    def select_topk(self, problem: TopkProblem) -> np.ndarray:  # pragma: no cover - overridden
+    def select_topk(self, problem: TopkProblem) -> np.ndarray:
         """Exp-free top-k of every (query, KV head) row of block scores (R24).
 
         Parameters
@@ -123,7 +123,7 @@ class Backend(ABC):
     def plans_forward(self, problem: Problem) -> bool:
         """Whether ``forward()`` runs ``problem`` through a cached plan of this backend (R28).
 
-        Default False: ``forward()`` builds the index and calls :meth:`forward`.
+        Default False: ``forward()`` builds the index and calls ``forward``.
         """
         return False
 

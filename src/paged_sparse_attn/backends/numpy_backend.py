@@ -8,7 +8,8 @@ and all G heads of the group.
 Scores and partials accumulate in float32 (BLAS sgemm); float16/bfloat16 caches are converted to
 float32 after the gather (exact). Masked positions are removed with ``where`` before the softmax;
 V rows that no edge of the slot may attend are zeroed before ``P @ V``, and if a slot's attended V holds NaN/Inf
-the chunk takes an exact masked path so that only rows attending it see it (R10).
+the slot takes an exact masked path so that only rows attending it see it (R10) and positions
+whose score is -inf pass nothing on (R26).
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def kvouter_partials(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, in
         return Partials(np.zeros((E, G, D), dtype=np.float32), m, l), (np.arange(E) if padded else None)
 
     # fold the scale into q once, instead of into every score
-    qg = q.reshape(Tq, Hkv, G, D).astype(np.float32) * np.float32(scale)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 is NaN, as R26 says: no warning
+        qg = q.reshape(Tq, Hkv, G, D).astype(np.float32) * np.float32(scale)
     counts = np.diff(index.slot_ptr).astype(np.int64)
     lens = index.used_kv_lens.astype(np.int64)
     offs = np.arange(BS, dtype=np.int64)
@@ -177,9 +179,17 @@ def _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb,
     sc = np.matmul(Q.reshape(ns, n_max * G, D), K.transpose(0, 2, 1)).reshape(ns, n_max, G, BS)
     att = valid[:, None, :] & (offs[None, None, :] < index.edge_len[e][..., None])  # [ns, n_max, BS]
     np.copyto(sc, -np.inf, where=~att[:, :, None, :])
-    mx = sc.max(axis=-1)  # [ns, n_max, G]; -inf if the edge attends nothing
-    any_att = att.any(axis=-1)[..., None]
-    np.subtract(sc, np.where(any_att, mx, 0)[..., None], out=sc)
+    # V that is attended by some edge of the slot but not by others may hold NaN/Inf: P @ V
+    # would then turn 0 * NaN into NaN for the edges that do not attend it (R10), and a position
+    # whose score is -inf must not pass its value on either (R26). Those slots are redone
+    # exactly below (rare: only with non-finite data); keep their -inf pattern for that.
+    bad = ~np.isfinite(V.sum(axis=-1))  # [ns, BS]; a false alarm (overflow) only costs time
+    redo = np.flatnonzero(bad.any(axis=-1))
+    dropped = {int(j): sc[j] == -np.inf for j in redo}  # [n_max, G, BS]: masked or -inf score
+    mx = sc.max(axis=-1)  # [ns, n_max, G]; -inf if nothing attended has a score above -inf
+    # R26: an edge whose scores are all -inf is empty (m = -inf, l = 0, o = 0); NaN and +inf
+    # maxima propagate (inf - inf = NaN)
+    np.subtract(sc, np.where(mx == -np.inf, 0, mx)[..., None], out=sc)
     p = np.exp(sc, out=sc)  # masked -> exp(-inf) = 0
     # Flush subnormal weights to 0: they change no float32 result (l >= 1) but make sgemm crawl.
     np.copyto(p, 0, where=p < np.finfo(np.float32).tiny)
@@ -189,16 +199,12 @@ def _slot_chunk(qg, k_cache, v_cache, index, sl, n_max, counts, lens, offs, ppb,
     else:  # write straight into the caller's padded buffer
         ov = np.matmul(p.reshape(ns, n_max * G, BS), V, out=dest.reshape(ns, n_max * G, D)).reshape(ns, n_max, G, D)
 
-    # V that is attended by some edge of the slot but not by others may hold NaN/Inf: P @ V
-    # would then turn 0 * NaN into NaN for the edges that do not attend it. Redo those slots
-    # exactly (rare: only with non-finite data).
-    bad = ~np.isfinite(V.sum(axis=-1))  # [ns, BS]; a false alarm (overflow) only costs time
-    if bad.any():
-        for j in np.flatnonzero(bad.any(axis=-1)):
-            Vj = v_cache[safe_pages[j], h[j]].reshape(BS, D).astype(np.float32)
-            for r in range(n_max):
-                a = att[j, r]
-                ov[j, r] = p[j, r][:, a] @ Vj[a] if a.any() else 0
+    for j in redo:  # exact P @ V over each head's kept positions only
+        Vj = v_cache[safe_pages[j], h[j]].reshape(BS, D).astype(np.float32)
+        for r in range(n_max):
+            for g in range(G):
+                keep = ~dropped[int(j)][r, g]
+                ov[j, r, g] = p[j, r, g][keep] @ Vj[keep] if keep.any() else 0
 
     idx = e[live]
     if dest is None:

@@ -75,7 +75,7 @@ def block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_len
     softmax_scale : float, optional
         Multiplies every index logit; default ``1 / sqrt(d_idx)``.
     causal : bool
-        Right-aligned causal visibility, as in R9 (default True).
+        Right-aligned causal visibility, as in R9. Default True, unlike ``forward()`` (R8).
     backend : str, Backend or None
 
     Returns
@@ -187,7 +187,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     topk : int
         Blocks per (query, KV head), ``>= 1``, the local block included.
     causal : bool
-        Used by both the block scores and the attention (default True).
+        Used by both the block scores and the attention. Default True, unlike ``forward()`` (R8).
     softmax_scale : float, optional
         The attention's scale (default ``1 / sqrt(D)``); the block scores use ``1 / sqrt(d_idx)``.
     backend : str, Backend or None

@@ -22,8 +22,8 @@ class IndexProblem:
 
     Attributes
     ----------
-    index_q : ndarray [Tq, Hkv, d_idx]
-        C-contiguous float32, float16 or bfloat16 index queries.
+    index_q : ndarray float32 [Tq, Hkv, d_idx]
+        C-contiguous float32 index queries (any R7 dtype, widened exactly by the validation, R7).
     index_k_cache : ndarray or DeviceArray [P, Hk_idx, S, d_idx]
         Paged index keys, ``Hk_idx`` is 1 (shared by every KV head) or ``Hkv``.
     block_tables : ndarray int32 [B, max_pages]

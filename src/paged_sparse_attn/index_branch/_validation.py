@@ -26,6 +26,7 @@ from .._validation import (
     check_int_array,
     check_layout,
     check_softmax_scale,
+    widen_query,
 )
 from ._types import IndexProblem, TopkProblem
 
@@ -85,7 +86,7 @@ def validate_block_scores(fn: str, index_q: Any, index_k_cache: Any, block_table
     c = check_causal(causal, fn)
     seq, end = query_positions(cu, lens, c)
     return IndexProblem(
-        index_q=iq, index_k_cache=ik, block_tables=bt, cu_seqlens_q=cu, used_kv_lens=lens,
+        index_q=widen_query(iq), index_k_cache=ik, block_tables=bt, cu_seqlens_q=cu, used_kv_lens=lens,
         query_seq=np.ascontiguousarray(seq, dtype=np.int32),
         query_end=np.ascontiguousarray(end, dtype=np.int32),
         block_size=bs, softmax_scale=scale, causal=c,

@@ -68,7 +68,8 @@ def block_scores_numpy(problem: IndexProblem) -> np.ndarray:
                 t1 = min(hi, t0 + tc)
                 # [Hkv, tc, d] @ [Hk_idx, d, n] -> [Hkv, tc, n]; Hk_idx == 1 broadcasts over heads
                 sc = np.matmul(iq[t0:t1].transpose(1, 0, 2), K.transpose(0, 2, 1))
-                sc *= scale
+                with np.errstate(over="ignore", invalid="ignore"):  # float32 logits: overflow is +-inf
+                    sc *= scale
                 # visible: mapped, < L_b and (causal) not in the future: pos < query_end (R22)
                 vis = valid[None, :] & (pos[None, :] < end[t0:t1, None])  # [tc, n]
                 sc = np.where(vis[None], sc, np.float32(-np.inf))

@@ -10,6 +10,8 @@ import math
 
 import numpy as np
 
+from ..reference import float32_scores
+
 from ._validation import validate_block_scores, validate_select_topk
 
 __all__ = ["visible_positions", "block_scores_reference", "select_topk_reference"]
@@ -60,7 +62,8 @@ def block_scores_reference(index_q, index_k_cache, block_tables, cu_seqlens_q, u
                         continue  # no visible position: -inf
                     pages = p.block_tables[b][[x // S for x in pos]]
                     k = ik[pages, hk, [x % S for x in pos]]  # [n, d_idx]
-                    logits = p.softmax_scale * (k @ iq[t, h])
+                    with np.errstate(invalid="ignore"):  # inf * 0 in non-finite keys: NaN
+                        logits = float32_scores(p.softmax_scale * (k @ iq[t, h]))  # overflow: +-inf
                     out[t, h, s] = math.nan if np.isnan(logits).any() else logits.max()
     # --8<-- [end:scores]
     return out

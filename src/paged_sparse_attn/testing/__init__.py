@@ -3,7 +3,7 @@
 * ``paged_sparse_attn.testing.strategies`` -- hypothesis strategies of valid and invalid
   problems (needs the ``test`` extra; imported only when you import it).
 * ``paged_sparse_attn.testing.assertions`` -- ``assert_attention_close`` and
-  ``tolerance``, tolerances derived from the dtype (R20).
+  ``tolerance`` / ``problem_tolerance``, the tolerances of R20.
 * ``paged_sparse_attn.testing.oracle`` -- the rules as small independent numpy formulas.
 * ``run_conformance`` -- run the packaged property suite
   (``paged_sparse_attn/testing/test_conformance.py``) against a backend.
@@ -13,7 +13,7 @@ Importing this package imports neither hypothesis nor pytest.
 
 from __future__ import annotations
 
-from .assertions import Tolerance, assert_attention_close, assert_partials_close, tolerance
+from .assertions import Tolerance, assert_attention_close, assert_partials_close, problem_tolerance, tolerance
 from .conformance import run_conformance
 from .problem import AttentionProblem, InvalidCall
 
@@ -22,6 +22,7 @@ __all__ = [
     "InvalidCall",
     "Tolerance",
     "tolerance",
+    "problem_tolerance",
     "assert_attention_close",
     "assert_partials_close",
     "run_conformance",

@@ -1,15 +1,24 @@
-"""Tolerances derived from the dtype (R20) and the comparisons the property suite makes.
+"""Tolerances of R20 and the comparisons the property suite makes.
 
-A correct backend's error against the float64 reference comes from two sources: float32
-arithmetic (a D-term dot product per score, a sum over the attended positions, the combine over
-edges: a few dozen roundings of ``eps32``), and, for float16 / bfloat16 data, the storage dtype if
-the backend computes in it (R20: "to the error that a float16 rounding of K and V produces"). The
-tolerance is a multiple of the unit roundoff of the least precise dtype involved; it is relative
-to the output scale ``max(1, max |ref|)`` because ``out`` is a convex combination of V rows.
+A correct backend's error against the float64 reference is float32 arithmetic only: the reference
+reads the same (float16, bfloat16 or float32) values, widened exactly. R20 bounds it, to first
+order in the unit roundoff ``u = 2**-24``, from the head dimension ``D``, the number ``n`` of
+attended positions, the score bound ``sigma = |scale| max_p sum_d |q_d| |k_{p,d}|`` and the value
+bound ``V = max |v|`` over the attended positions:
+
+    |out - ref|  <= u (4 (D+1) sigma + 4 n + 18 ln n + 16) V
+    |lse - ref|  <= u (3 (D+1) sigma + 2 n + 13 ln n + 8) + 2 u |ref_lse|
+
+:func:`problem_tolerance` computes it for a problem; ``tolerance(..., head_dim=, num_positions=,
+score_bound=, value_bound=)`` for given sizes. ``tolerance(*dtypes)`` without sizes keeps the
+fixed multiples of eps (64 eps for float32, 8 eps of a 16-bit dtype), measured relative to
+``max(1, max |ref|)``: a shortcut calibrated on small problems (D <= 64, a few dozen positions),
+not a bound; problems beyond that must use the derived one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from collections.abc import Iterable
 
@@ -18,16 +27,16 @@ import numpy as np
 __all__ = [
     "Tolerance",
     "tolerance",
+    "problem_tolerance",
     "assert_attention_close",
     "assert_partials_close",
     "assert_empty_rows_exact",
 ]
 
-# Multiples of the unit roundoff (eps) a correct implementation stays within, per dtype.
-# float32: 64 eps ~ 7.6e-6, the "~1e-5 relative" of R20 for D <= 64 and a few dozen positions.
-# float16 / bfloat16: one rounding of K perturbs a score by ~|score| eps / 2 and of V the output
-# by eps / 2; 8 eps covers scores of magnitude up to a few units.
+# The fixed multiples of eps of ``tolerance(*dtypes)`` without sizes (small problems only).
 ULPS = {"float32": 64.0, "float16": 8.0, "bfloat16": 8.0}
+
+U32 = 2.0 ** -24  # unit roundoff of float32: every backend computes in float32 (R12)
 
 
 def _eps(dtype) -> float:
@@ -39,27 +48,60 @@ def _eps(dtype) -> float:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Relative tolerances: ``out`` to ``max(1, max |ref|)``, ``lse`` to ``max(1, |ref_lse|)``."""
+    """Tolerances of R20.
+
+    Without ``value_scale`` (the fixed shortcut): ``|out - ref| <= out * max(1, max |ref|)`` and
+    ``|lse - ref| <= lse * max(1, |ref|)``. With ``value_scale`` (the derived bound):
+    ``|out - ref| <= out * value_scale`` and ``|lse - ref| <= lse_abs + lse * |ref|``.
+    """
 
     out: float
     lse: float
+    value_scale: float | None = None
+    lse_abs: float = 0.0
+
+    def out_limit(self, ref_scale: float) -> float:
+        """The absolute limit on ``|out - ref|``; ``ref_scale`` is ``max |ref|``."""
+        return self.out * (self.value_scale if self.value_scale is not None else max(1.0, ref_scale))
+
+    def lse_limit(self, ref_lse: np.ndarray) -> np.ndarray:
+        """The absolute limit on ``|lse - ref_lse|``, entry by entry."""
+        if self.value_scale is None:
+            return self.lse * np.maximum(1.0, np.abs(ref_lse))
+        return self.lse_abs + self.lse * np.abs(ref_lse)
+
+    def times(self, factor: float) -> "Tolerance":
+        """This tolerance with every limit multiplied by ``factor`` (e.g. 2 for two rounded results)."""
+        return Tolerance(out=self.out * factor, lse=self.lse * factor, value_scale=self.value_scale,
+                         lse_abs=self.lse_abs * factor)
 
     def __str__(self) -> str:
-        return f"out {self.out:.3g}, lse {self.lse:.3g}"
+        if self.value_scale is None:
+            return f"out {self.out:.3g}, lse {self.lse:.3g}"
+        return f"out {self.out:.3g} x V={self.value_scale:.3g}, lse {self.lse_abs:.3g} + {self.lse:.3g} |lse|"
 
 
-def tolerance(*dtypes) -> Tolerance:
-    """The R20 tolerance for results computed from data of ``dtypes`` (the least precise wins).
+def tolerance(*dtypes, head_dim: int | None = None, num_positions: int | None = None,
+              score_bound: float | None = None, value_bound: float | None = None) -> Tolerance:
+    """The R20 tolerance.
 
     Parameters
     ----------
     *dtypes : numpy dtypes (or names)
-        E.g. ``tolerance(q.dtype, k_cache.dtype)``; a tuple/list is flattened.
+        E.g. ``tolerance(q.dtype, k_cache.dtype)``; a tuple/list is flattened. Used only by the
+        fixed shortcut (no sizes): the least precise dtype wins.
+    head_dim, num_positions : int, optional
+        ``D`` and the largest number ``n`` of attended positions of a row.
+    score_bound : float, optional
+        ``sigma = |softmax_scale| max_p sum_d |q_d| |k_{p,d}|`` over attended positions.
+    value_bound : float, optional
+        ``V = max |v|`` over attended positions.
 
     Returns
     -------
     Tolerance
-        Never smaller than the float32 tolerance: scores and accumulations are float32 (R12).
+        With the four sizes: the derived bound of R20 (the same for every storage dtype: the data
+        are exact in float32). Without them: the fixed multiples of eps, never below 64 eps32.
 
     Examples
     --------
@@ -67,7 +109,20 @@ def tolerance(*dtypes) -> Tolerance:
     7.62939453125e-06
     >>> tolerance("float32", "float16").out
     0.0078125
+    >>> t = tolerance(head_dim=8, num_positions=32, score_bound=2.0, value_bound=1.0)
+    >>> round(t.out / 2 ** -24)  # 4 * 9 * 2 + 4 * 32 + 18 ln 32 + 16
+    278
     """
+    sizes = (head_dim, num_positions, score_bound, value_bound)
+    if any(x is not None for x in sizes):
+        if any(x is None for x in sizes):
+            raise TypeError("tolerance(): head_dim, num_positions, score_bound and value_bound go together")
+        D, n = int(head_dim), max(1, int(num_positions))
+        sigma, V = float(score_bound), float(value_bound)
+        ln = math.log(n)
+        out = U32 * (4 * (D + 1) * sigma + 4 * n + 18 * ln + 16)
+        lse_abs = U32 * (3 * (D + 1) * sigma + 2 * n + 13 * ln + 8)
+        return Tolerance(out=out, lse=2 * U32, value_scale=V, lse_abs=lse_abs)
     flat: list = []
     for d in dtypes:
         flat.extend(d if isinstance(d, (tuple, list)) else [d])
@@ -76,6 +131,45 @@ def tolerance(*dtypes) -> Tolerance:
         dt = np.dtype(d)
         tol = max(tol, ULPS.get(dt.name, ULPS["float32"]) * _eps(dt))
     return Tolerance(out=tol, lse=tol)
+
+
+def problem_tolerance(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens=None,
+                      block_size, softmax_scale=None, causal=False) -> Tolerance:
+    """The derived R20 tolerance of one forward problem (the arguments of ``forward``).
+
+    ``n``, ``sigma`` and ``V`` are the maxima over all rows, taken over the attended positions
+    only (R9), so that NaN or Inf in unattended memory (R10) does not enter them.
+
+    Returns
+    -------
+    Tolerance
+        ``tolerance(head_dim=D, num_positions=n, score_bound=sigma, value_bound=V)``.
+    """
+    from .._validation import validate_forward
+    from ..reference import attended_positions
+
+    p = validate_forward("problem_tolerance", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
+                         used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
+                         causal=causal)
+    kc, vc = np.asarray(p.k_cache), np.asarray(p.v_cache)
+    S, G = p.page_size, p.group_size
+    n, sigma, V = 1, 0.0, 0.0
+    for b in range(p.num_seqs):
+        lo, hi = int(p.cu_seqlens_q[b]), int(p.cu_seqlens_q[b + 1])
+        for t in range(lo, hi):
+            for h in range(p.num_kv_heads):
+                pos = attended_positions(p.block_tables[b], p.selected[t, h], int(p.used_kv_lens[b]), hi - lo,
+                                         t - lo, block_size=p.block_size, page_size=S, causal=p.causal)
+                if not pos:
+                    continue
+                pages = p.block_tables[b][[x // S for x in pos]]
+                k = np.abs(kc[pages, h, [x % S for x in pos]].astype(np.float64))  # [n, D]
+                v = np.abs(vc[pages, h, [x % S for x in pos]].astype(np.float64))
+                qa = np.abs(p.q[t, h * G:(h + 1) * G].astype(np.float64))  # [G, D]
+                n = max(n, len(pos))
+                sigma = max(sigma, abs(p.softmax_scale) * float((qa @ k.T).max()))
+                V = max(V, float(v.max()))
+    return tolerance(head_dim=p.head_dim, num_positions=n, score_bound=sigma, value_bound=V)
 
 
 def _as_tol(dtype, tol: Tolerance | None) -> Tolerance:
@@ -149,15 +243,16 @@ def assert_attention_close(out, ref, *, dtype, lse=None, ref_lse=None, tol: Tole
         badf = finite & ~np.isfinite(o)
         assert not badf.any(), (f"{err_msg} out is not finite where the reference is: "
                                 f"{o[tuple(np.argwhere(badf)[0])]} at row-major entry {_where(badf)}")
-        scale = max(1.0, float(np.abs(r[finite]).max())) if finite.any() else 1.0
+        ref_scale = float(np.abs(r[finite]).max()) if finite.any() else 0.0
+        limit = tol.out_limit(ref_scale)
         err = np.where(finite, np.abs(o - r), 0.0)
         j = np.unravel_index(int(np.argmax(err)), err.shape)
         worst = float(err[j])
-        if worst > tol.out * scale:
+        if worst > limit:
             t_idx = np.argwhere(sel)[j[0]].tolist()
             raise AssertionError(
                 f"{err_msg} max |out - ref| = {worst:.4g} at (t, hq)={t_idx}, d={j[1]}: "
-                f"got {o[j]:.9g}, want {r[j]:.9g}; tolerance {tol.out:.3g} x {scale:.3g} "
+                f"got {o[j]:.9g}, want {r[j]:.9g}; limit {limit:.3g} ({tol}) "
                 f"(dtype {_dtype_names(dtype)}, R20)")
     if ref_lse is not None:
         ref_lse = np.asarray(ref_lse)
@@ -174,7 +269,7 @@ def assert_attention_close(out, ref, *, dtype, lse=None, ref_lse=None, tol: Tole
                 f"{err_msg} lse is not finite where the reference is, at {_where(fin & ~np.isfinite(a))}")
             if fin.any():
                 d = np.abs(a[fin] - b[fin])
-                lim = tol.lse * np.maximum(1.0, np.abs(b[fin]))
+                lim = tol.lse_limit(b[fin])
                 k = int(np.argmax(d - lim))
                 assert d[k] <= lim[k], (f"{err_msg} |lse - ref_lse| = {d[k]:.4g} > {lim[k]:.3g}: got {a[fin][k]:.9g}, "
                                         f"want {b[fin][k]:.9g} (dtype {_dtype_names(dtype)}, R20)")
@@ -219,12 +314,12 @@ def assert_partials_close(o, m, l, ref_o, ref_m, ref_l, *, dtype, tol: Tolerance
     assert np.isfinite(m[live]).all() and np.isfinite(l[live]).all() and np.isfinite(o[live]).all(), (
         f"{err_msg} partials of non-empty edges must be finite")
     dm = np.abs(m[live] - ref_m[live])
-    lim_m = tol.lse * np.maximum(1.0, np.abs(ref_m[live]))
-    assert (dm <= lim_m).all(), f"{err_msg} m differs by {float(dm.max()):.4g} (R14, tolerance {tol.lse:.3g})"
+    lim_m = tol.lse_limit(ref_m[live])
+    assert (dm <= lim_m).all(), f"{err_msg} m differs by {float(dm.max()):.4g} (R14, tolerance {tol})"
     dl = np.abs(l[live] - ref_l[live]) / ref_l[live]
     assert (dl <= tol.out).all(), (
         f"{err_msg} l differs by {float(dl.max()):.4g} relative (R14, tolerance {tol.out:.3g})")
-    vscale = max(1.0, float(np.abs(ref_o[live] / ref_l[live][..., None]).max()))
+    vscale = float(np.abs(ref_o[live] / ref_l[live][..., None]).max())
     do = np.abs(o[live] - ref_o[live]) / ref_l[live][..., None]
-    assert (do <= tol.out * vscale).all(), (
-        f"{err_msg} o differs by {float(do.max()):.4g} x l (R14, tolerance {tol.out:.3g} x {vscale:.3g})")
+    assert (do <= tol.out_limit(vscale)).all(), (
+        f"{err_msg} o differs by {float(do.max()):.4g} x l (R14, limit {tol.out_limit(vscale):.3g}: {tol})")

@@ -151,6 +151,13 @@ class AttentionProblem:
         p = self.replace(**changes) if changes else self
         return psa.dense_reference(**p.kwargs())
 
+    def tolerance(self, **changes: Any):
+        """The derived R20 tolerance of this problem (``assertions.problem_tolerance``)."""
+        from .assertions import problem_tolerance
+
+        p = self.replace(**changes) if changes else self
+        return problem_tolerance(**p.kwargs())
+
     def build_index(self):
         """``psa.build_kvouter_index`` for this problem (R13)."""
         import paged_sparse_attn as psa
