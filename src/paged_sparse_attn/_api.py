@@ -114,7 +114,7 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     BackendUnavailableError
         The backend is unknown or cannot run here.
     """
-    if isinstance(q, DeviceArray) or isinstance(selected, DeviceArray):  # R26: results stay on the device
+    if isinstance(q, DeviceArray) or isinstance(selected, DeviceArray):  # R30: results stay on the device
         from ._attention_plan import forward_planned
 
         return forward_planned(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
@@ -125,7 +125,7 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
                          causal=causal)
     be = resolve_backend(backend, p.k_cache, p.v_cache)
     _run_checks(be, "forward", p)
-    if be.plans_forward(p):  # the backend's plan runtime takes this call (R28)
+    if be.plans_forward(p):  # the backend's plan runtime takes this call (R32)
         from ._attention_plan import cached_plan
         from ._layout import layout_of
 
@@ -149,7 +149,7 @@ def build_kvouter_index(selected, block_tables, cu_seqlens_q, used_kv_lens=None,
     used_kv_lens : int array [B], optional
     block_size, page_size : int
     causal : bool
-        Default False, as in :func:`forward` (R8).
+        Default False, as in ``forward`` (R8).
 
     Returns
     -------

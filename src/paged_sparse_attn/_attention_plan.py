@@ -1,8 +1,8 @@
-"""Plan once, run per layer (R28): :func:`plan_attention` and :class:`AttentionPlan`.
+"""Plan once, run per layer (R32): ``plan_attention`` and ``AttentionPlan``.
 
 A plan validates a batch layout once and asks its backend for a *runtime* (what the backend
 prepares for that layout: on the GPU every buffer, bind group and pipeline). Each
-:meth:`AttentionPlan.run` then checks only the per-layer tensors (shapes, dtypes, ownership and
+``run`` then checks only the per-layer tensors (shapes, dtypes, ownership and
 R6 for host selections; O(1) for device arrays) and runs. ``forward()`` keeps a small cache of
 plans keyed by the layout, so plain calls on backends with a runtime of their own get the same
 path.
@@ -29,7 +29,7 @@ __all__ = ["plan_attention", "AttentionPlan", "cached_plan", "forward_planned"]
 def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size, num_q_heads,
                    num_kv_heads, head_dim, kv_dtype, topk, causal=False, softmax_scale=None, index_dim=None,
                    num_index_heads=None, index_dtype=None, backend=None) -> "AttentionPlan":
-    """Plan block-sparse attention for a batch layout, to run on many layers (R28).
+    """Plan block-sparse attention for a batch layout, to run on many layers (R32).
 
     Parameters
     ----------
@@ -48,13 +48,13 @@ def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
     topk : int
         Slots per (query, KV head) of ``selected`` [Tq, Hkv, topk].
     causal : bool
-        Right-aligned causal mask (R9); default False, as in :func:`forward`.
+        Right-aligned causal mask (R9); default False, as in ``forward``.
     softmax_scale : float, optional
         Default ``1 / sqrt(head_dim)`` (R8).
     index_dim, num_index_heads, index_dtype : optional
         ``d_idx``, ``Hk_idx`` (1 or ``Hkv``) and dtype of the index branch's ``index_q``
         [Tq, Hkv, d_idx] and ``index_k_cache`` [P, Hk_idx, S, d_idx]: needed by
-        :meth:`AttentionPlan.run_sparse` only.
+        ``run_sparse`` only.
     backend : str, Backend or None
 
     Returns
@@ -79,10 +79,10 @@ def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
 
 
 class AttentionPlan:
-    """A batch layout planned on a backend; run it on each layer's tensors (R28).
+    """A batch layout planned on a backend; run it on each layer's tensors (R32).
 
-    Made by :func:`plan_attention`. Results are those of :func:`forward` (and
-    :func:`sparse_attention`) on the same inputs, bit for bit on the same backend.
+    Made by ``plan_attention``. Results are those of ``forward`` (and
+    ``sparse_attention``) on the same inputs, bit for bit on the same backend.
 
     Attributes
     ----------
@@ -110,7 +110,7 @@ class AttentionPlan:
         want = shape or (L.num_queries, L.num_q_heads, L.head_dim)
         q = check_float_array(q, fn, name, 3, allow_device=True)
         if tuple(q.shape) != want:
-            raise _fail(fn, f"{name} must have shape {list(want)} (the plan's layout), got {list(q.shape)}", "R28")
+            raise _fail(fn, f"{name} must have shape {list(want)} (the plan's layout), got {list(q.shape)}", "R32")
         return q
 
     def _check_caches(self, fn: str, k: Any, v: Any, names=("k_cache", "v_cache"), heads: int | None = None,
@@ -128,7 +128,7 @@ class AttentionPlan:
             want_dt = L.kv_dtype if dtype is None else dtype
             if H != want_h or S != L.page_size or D != want_d or np.dtype(x.dtype) != want_dt:
                 raise _fail(fn, f"{name} must be {np.dtype(want_dt).name} [P, {want_h}, {L.page_size}, {want_d}] "
-                            f"(the plan's layout), got {np.dtype(x.dtype).name} {list(x.shape)}", "R28")
+                            f"(the plan's layout), got {np.dtype(x.dtype).name} {list(x.shape)}", "R32")
             if P <= L.max_page:
                 raise _fail(fn, f"{name} has {P} pages; block_tables refers to page {L.max_page}", "R2")
             out.append(x)
@@ -141,7 +141,7 @@ class AttentionPlan:
             if tuple(selected.shape) != want or np.dtype(selected.dtype) != np.int32:
                 raise _fail(fn, f"a device-resident selected must be int32 {list(want)}, got "
                             f"{np.dtype(selected.dtype).name} {list(selected.shape)}", "R6")
-            return selected  # values: checked on the device (R27)
+            return selected  # values: checked on the device (R31)
         sel = check_int_array(selected, fn, "selected", 3, "R6")
         check_selected(fn, sel, L.num_queries, L.num_kv_heads, L.msb, topk=L.topk)
         return sel
@@ -149,7 +149,7 @@ class AttentionPlan:
     # --- running ----------------------------------------------------------------------------------
 
     def run(self, q, k_cache, v_cache, selected, *, return_lse=False):
-        """Attention of one layer with a given selection (as :func:`forward`).
+        """Attention of one layer with a given selection (as ``forward``).
 
         Parameters
         ----------
@@ -161,7 +161,7 @@ class AttentionPlan:
         Returns
         -------
         out : [Tq, Hq, D] float32, lse : [Tq, Hq] float32 (with ``return_lse``)
-            numpy arrays, or device arrays of the backend when ``q`` is one (R26).
+            numpy arrays, or device arrays of the backend when ``q`` is one (R30).
         """
         fn = "AttentionPlan.run"
         q = self._check_q(fn, q)
@@ -173,8 +173,8 @@ class AttentionPlan:
         return (out, lse) if return_lse else out
 
     def run_sparse(self, q, k_cache, v_cache, index_q, index_k_cache, *, return_lse=False):
-        """The whole MSA layer (as :func:`sparse_attention`): block scores, top-k with the local
-        block, attention; on backends with a device runtime in one submission (R28).
+        """The whole MSA layer (as ``sparse_attention``): block scores, top-k with the local
+        block, attention; on backends with a device runtime in one submission (R32).
 
         Parameters
         ----------
@@ -188,7 +188,7 @@ class AttentionPlan:
         L = self.layout
         if L.index_dim is None:
             raise UnsupportedError(f"{fn}(): the plan was made without index_dim; pass index_dim= (and "
-                                   "num_index_heads=, index_dtype=) to plan_attention() [R28]")
+                                   "num_index_heads=, index_dtype=) to plan_attention() [R32]")
         if L.topk < 1:
             raise _fail(fn, f"topk must be >= 1 with the forced local block, got {L.topk}", "R23")
         q = self._check_q(fn, q)
@@ -203,7 +203,7 @@ class AttentionPlan:
 
     def kvouter_index(self, selected) -> KVOuterIndex:
         """The R13 index of ``selected`` as this plan's runtime builds it (on the device for a
-        device runtime; equal to :func:`build_kvouter_index`, R29)."""
+        device runtime; equal to ``build_kvouter_index``, R33)."""
         fn = "AttentionPlan.kvouter_index"
         sel = self._check_selected(fn, selected)
         self._check_owner(fn, sel)
@@ -211,7 +211,7 @@ class AttentionPlan:
             return self._runtime.kvouter_index(sel)
 
     def update(self, *, used_kv_lens=None, block_tables=None) -> None:
-        """A decode step: new lengths and/or pages, same sequences and shapes (R28).
+        """A decode step: new lengths and/or pages, same sequences and shapes (R32).
 
         Only what changed is sent to the device; buffers, bind groups and pipelines are kept.
         """
@@ -225,7 +225,7 @@ class AttentionPlan:
                               index_dim=L.index_dim, num_index_heads=L.num_index_heads, index_dtype=L.index_dtype)
         if new.block_tables.shape != L.block_tables.shape:
             raise _fail(fn, f"block_tables must keep the plan's shape {list(L.block_tables.shape)}, got "
-                        f"{list(new.block_tables.shape)}; make a new plan for a new batch", "R28")
+                        f"{list(new.block_tables.shape)}; make a new plan for a new batch", "R32")
         with self._lock:
             self._runtime.update(new)
             self.layout = new
@@ -275,7 +275,7 @@ def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
 
 def forward_planned(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens, block_size,
                     softmax_scale, causal, backend, return_lse):
-    """``forward()`` when ``q`` or ``selected`` is a device array (R26): through a cached plan."""
+    """``forward()`` when ``q`` or ``selected`` is a device array (R30): through a cached plan."""
     fn = "forward"
     qq = check_float_array(q, fn, "q", 3, allow_device=True)
     k = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)

@@ -1,6 +1,6 @@
-"""The batch layout a plan is built from (R28), validated once: what stays fixed across layers.
+"""The batch layout a plan is built from (R32), validated once: what stays fixed across layers.
 
-A :class:`BatchLayout` holds everything of a forward call except the per-layer tensors (``q``,
+A ``BatchLayout`` holds everything of a forward call except the per-layer tensors (``q``,
 ``k_cache``, ``v_cache``, ``selected`` and the index branch's ``index_q``, ``index_k_cache``):
 the sequences (``cu_seqlens_q``, ``used_kv_lens``), the page map (``block_tables``), the shapes
 and dtypes of the tensors, ``block_size``, ``topk``, ``softmax_scale`` and ``causal``.
@@ -106,7 +106,7 @@ class BatchLayout:
 
     def structure_key(self) -> tuple:
         """What a plan's buffers depend on: everything but the page map and the lengths, which a
-        plan takes in :meth:`AttentionPlan.update` (the plan cache of ``forward()`` is keyed by it)."""
+        plan takes in ``update`` (the plan cache of ``forward()`` is keyed by it)."""
         return (self.block_tables.shape, self.cu_seqlens_q.tobytes(), self.block_size, self.page_size, self.num_q_heads,
                 self.num_kv_heads, self.head_dim, self.kv_dtype.name, self.topk, self.softmax_scale,
                 self.causal, self.index_dim, self.num_index_heads,
@@ -116,7 +116,7 @@ class BatchLayout:
 def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size,
                     num_q_heads, num_kv_heads, head_dim, kv_dtype, topk, causal=False, softmax_scale=None,
                     index_dim=None, num_index_heads=None, index_dtype=None) -> BatchLayout:
-    """Check a batch layout once (R1-R5, R7, R8, R28) and return it as a :class:`BatchLayout`."""
+    """Check a batch layout once (R1-R5, R7, R8, R32) and return it as a ``BatchLayout``."""
     S = check_page_size(page_size, fn)
     Hq = _positive(num_q_heads, fn, "num_q_heads", "R1")
     Hkv = _positive(num_kv_heads, fn, "num_kv_heads", "R1")
@@ -145,7 +145,7 @@ def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, b
 
 
 def layout_of(p) -> BatchLayout:
-    """The layout of a validated :class:`~paged_sparse_attn.Problem` (no new checks)."""
+    """The layout of a validated ``Problem`` (no new checks)."""
     return BatchLayout(p.block_tables, p.cu_seqlens_q, p.used_kv_lens, p.block_size, p.page_size, p.num_q_heads,
                        p.num_kv_heads, p.head_dim, p.cache_dtype, p.topk, p.softmax_scale, p.causal,
                        max_page=int(p.block_tables.max(initial=-1)))

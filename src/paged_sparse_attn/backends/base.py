@@ -121,16 +121,16 @@ class Backend(ABC):
         raise UnsupportedError(f"backend {self.name!r} does not implement select_topk [R18]")
 
     def plans_forward(self, problem: Problem) -> bool:
-        """Whether ``forward()`` runs ``problem`` through a cached plan of this backend (R28).
+        """Whether ``forward()`` runs ``problem`` through a cached plan of this backend (R32).
 
         Default False: ``forward()`` builds the index and calls ``forward``.
         """
         return False
 
     def make_runtime(self, layout):
-        """What this backend prepares for a planned batch layout (R28).
+        """What this backend prepares for a planned batch layout (R32).
 
-        The default runs each layer through :meth:`forward` (the R13 index built on the host);
+        The default runs each layer through ``forward`` (the R13 index built on the host);
         backends with device work to set up once (buffers, pipelines) return their own runtime
         with the same methods (``run``, ``run_sparse``, ``kvouter_index``, ``update``, ``close``).
         """

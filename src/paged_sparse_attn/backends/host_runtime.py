@@ -1,7 +1,7 @@
-"""The runtime of a plan on backends without one of their own: the plain per-call path (R28).
+"""The runtime of a plan on backends without one of their own: the plain per-call path (R32).
 
 Each run builds the R13 index on the host and calls the backend's ``forward`` with the plan's
-validated layout: the same work as :func:`paged_sparse_attn.forward`, minus the layout checks.
+validated layout: the same work as ``forward``, minus the layout checks.
 """
 
 from __future__ import annotations

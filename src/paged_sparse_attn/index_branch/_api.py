@@ -142,7 +142,7 @@ def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_le
 
 def _sparse_planned(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q, *, used_kv_lens,
                     block_size, topk, causal, softmax_scale, backend, return_lse):
-    """``sparse_attention()`` with device-resident ``q`` or ``index_q`` (R26): through a cached plan."""
+    """``sparse_attention()`` with device-resident ``q`` or ``index_q`` (R30): through a cached plan."""
     fn = "sparse_attention"
     qq = check_float_array(q, fn, "q", 3, allow_device=True)
     k = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
@@ -200,7 +200,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
         Only with ``return_lse=True``.
     """
     fn = "sparse_attention"
-    if isinstance(q, DeviceArray) or isinstance(index_q, DeviceArray):  # R26: results stay on the device
+    if isinstance(q, DeviceArray) or isinstance(index_q, DeviceArray):  # R30: results stay on the device
         return _sparse_planned(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q,
                                used_kv_lens=used_kv_lens, block_size=block_size, topk=topk, causal=causal,
                                softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
@@ -219,7 +219,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
                        page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
     _index_checks(be, fn, ip)
 
-    if be.plans_forward(p) and isinstance(ip.index_k_cache, DeviceArray):  # one submission per layer (R28)
+    if be.plans_forward(p) and isinstance(ip.index_k_cache, DeviceArray):  # one submission per layer (R32)
         lay = dataclasses.replace(layout_of(p), topk=k, index_dim=ip.index_dim, num_index_heads=ip.num_index_heads,
                                   index_dtype=np.dtype(ip.index_k_cache.dtype))
         out, lse = cached_plan(lay, be)._runtime.run_sparse(p.q, p.k_cache, p.v_cache, ip.index_q, ip.index_k_cache)

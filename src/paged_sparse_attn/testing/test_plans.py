@@ -1,4 +1,4 @@
-"""The conformance kit for plans and device arrays (R26-R29), on every selected backend.
+"""The conformance kit for plans and device arrays (R30-R33), on every selected backend.
 
 Collected with the rest of the kit (``pytest --pyargs paged_sparse_attn.testing --backend
 NAME``); ``tests/test_plan_properties.py`` re-exports these tests for the project's own run. A
@@ -55,21 +55,21 @@ def _host(x):
 
 
 @given(data=st.data())
-def test_R28_plan_run_equals_forward_bit_for_bit(backend, data):
+def test_R32_plan_run_equals_forward_bit_for_bit(backend, data):
     p = _problem(data, backend)
     k, v = _caches(backend, p.k_cache, p.v_cache)
     got = _plan(backend, p).run(p.q, k, v, p.selected, return_lse=True)
     want = psa.forward(p.q, k, v, p.block_tables, p.selected, p.cu_seqlens_q, used_kv_lens=p.used_kv_lens,
                        block_size=p.block_size, softmax_scale=p.softmax_scale, causal=p.causal, backend=backend,
                        return_lse=True)
-    assert _bits(got, want), "R28: plan.run() and forward() gave different bits"
+    assert _bits(got, want), "R32: plan.run() and forward() gave different bits"
     ref, ref_lse = p.reference()
     assert_attention_close(got[0], ref, dtype=p.dtypes, lse=got[1], ref_lse=ref_lse,
-                           err_msg=f"R28 plan.run vs dense_reference [{backend.name}]:")
+                           err_msg=f"R32 plan.run vs dense_reference [{backend.name}]:")
 
 
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
-def test_R28_plan_reused_across_layers_and_decode_steps(backend, data, seed):
+def test_R32_plan_reused_across_layers_and_decode_steps(backend, data, seed):
     """One plan, two layers, then a decode step (lengths grown, a page mapped): fresh plans agree."""
     p = _problem(data, backend)
     rng = np.random.default_rng(seed)
@@ -83,7 +83,7 @@ def test_R28_plan_reused_across_layers_and_decode_steps(backend, data, seed):
     for q, k, v in layers:
         got = plan.run(q, k, v, p.selected, return_lse=True)
         want = _plan(backend, p).run(q, k, v, p.selected, return_lse=True)
-        assert _bits(got, want), "R28: a plan reused for another layer differs from a fresh plan"
+        assert _bits(got, want), "R32: a plan reused for another layer differs from a fresh plan"
     # a decode step: every sequence one token longer (within capacity), unmapped pages mapped
     cap = p.msb * p.block_size
     lens = np.minimum(p.kv_lens + 1, cap).astype(np.int32)
@@ -94,22 +94,22 @@ def test_R28_plan_reused_across_layers_and_decode_steps(backend, data, seed):
     for q, k, v in layers:
         got = plan.run(q, k, v, p.selected, return_lse=True)
         want = _plan(backend, stepped).run(q, k, v, p.selected, return_lse=True)
-        assert _bits(got, want), "R28: plan.update() then run differs from a fresh plan of the new layout"
+        assert _bits(got, want), "R32: plan.update() then run differs from a fresh plan of the new layout"
 
 
 @given(data=st.data())
-def test_R29_plan_inversion_equals_build_kvouter_index(backend, data):
+def test_R33_plan_inversion_equals_build_kvouter_index(backend, data):
     p = _problem(data, backend)
     got = _plan(backend, p).kvouter_index(p.selected)
     want = psa.build_kvouter_index(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
                                    block_size=p.block_size, page_size=p.page_size, causal=p.causal)
     for f in INDEX_FIELDS:
         a, b = getattr(got, f), getattr(want, f)
-        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"R29: field {f} differs from the host index"
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"R33: field {f} differs from the host index"
 
 
 @given(data=st.data())
-def test_R26_device_inputs_give_device_outputs_with_the_same_bits(backend, data):
+def test_R30_device_inputs_give_device_outputs_with_the_same_bits(backend, data):
     if not _has_device(backend) or not hasattr(backend, "asarray"):
         pytest.skip(f"backend {backend.name!r} has no device arrays")
     p = _problem(data, backend)
@@ -121,14 +121,14 @@ def test_R26_device_inputs_give_device_outputs_with_the_same_bits(backend, data)
     qd, sd = backend.asarray(q32), backend.asarray(p.selected)
     dev = psa.forward(qd, k, v, p.block_tables, sd, p.cu_seqlens_q, used_kv_lens=p.used_kv_lens,
                       block_size=p.block_size, softmax_scale=p.softmax_scale, causal=p.causal, return_lse=True)
-    assert all(isinstance(x, psa.DeviceArray) for x in dev), "R26: device inputs must give device outputs"
+    assert all(isinstance(x, psa.DeviceArray) for x in dev), "R30: device inputs must give device outputs"
     assert dev[0].shape == host[0].shape and dev[1].shape == host[1].shape
-    assert _bits([_host(x) for x in dev], host), "R26: device-resident results differ from the host call"
+    assert _bits([_host(x) for x in dev], host), "R30: device-resident results differ from the host call"
     np.testing.assert_array_equal(sd.numpy(), p.selected)
 
 
 @given(data=st.data(), kind=st.sampled_from(["repeat", "above", "below"]))
-def test_R27_a_device_selection_that_breaks_R6_raises_when_results_reach_the_host(backend, data, kind):
+def test_R31_a_device_selection_that_breaks_R6_raises_when_results_reach_the_host(backend, data, kind):
     if not _has_device(backend) or not hasattr(backend, "asarray"):
         pytest.skip(f"backend {backend.name!r} has no device arrays")
     p = _problem(data, backend, topk=st.integers(2, 4), num_kv_heads=1)
@@ -148,7 +148,7 @@ def test_R27_a_device_selection_that_breaks_R6_raises_when_results_reach_the_hos
 
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1), d_idx=st.sampled_from([4, 8, 3]),
        shared=st.booleans())
-def test_R28_run_sparse_equals_the_index_branch_then_forward(backend, data, seed, d_idx, shared):
+def test_R32_run_sparse_equals_the_index_branch_then_forward(backend, data, seed, d_idx, shared):
     """The whole MSA layer of a plan equals block_scores -> select_topk -> forward on the backend."""
     p = _problem(data, backend, topk=st.integers(1, 3))
     if p.num_queries == 0:
@@ -170,4 +170,4 @@ def test_R28_run_sparse_equals_the_index_branch_then_forward(backend, data, seed
     want = psa.forward(p.q, k, v, p.block_tables, sel, p.cu_seqlens_q, used_kv_lens=p.used_kv_lens,
                        block_size=p.block_size, softmax_scale=p.softmax_scale, causal=p.causal, backend=backend,
                        return_lse=True)
-    assert _bits(got, want), "R28: plan.run_sparse() differs from block_scores -> select_topk -> forward"
+    assert _bits(got, want), "R32: plan.run_sparse() differs from block_scores -> select_topk -> forward"

@@ -1,6 +1,6 @@
-"""The device-resident runtime of a plan (R28) on the wgpu backend: one submission per layer.
+"""The device-resident runtime of a plan (R32) on the wgpu backend: one submission per layer.
 
-Made once per batch layout (:meth:`WgpuBackend.make_runtime`): every buffer, bind group and
+Made once per batch layout (``make_runtime``): every buffer, bind group and
 pipeline a layer needs. A layer then encodes
 
 1. the layer's ``q`` and ``selected`` copied into the plan's buffers (a device-to-device copy for
@@ -11,7 +11,7 @@ pipeline a layer needs. A layer then encodes
    the generic kernel also numbers its multi-edge items (``item_flags``, a scan, ``items``);
 3. the partials kernel's params record copied from pass A's output into its uniform buffer;
 4. pass B: the partials kernel (indirect dispatch) and the combine (``psa_merge.wgsl``);
-5. the results: copied into a new device buffer (device ``q``: the results stay there, R26) or
+5. the results: copied into a new device buffer (device ``q``: the results stay there, R30) or
    into the plan's readback buffer, mapped once (host ``q``).
 
 No numpy over Tq or E runs per layer; the only allocation is the result buffer of a device call.
@@ -575,7 +575,7 @@ class DeviceRuntime:
                          generation=self.generation)  # WebGPU zero-fills: out 0, l 0 (lse -inf), no error
         return res.out, res.lse
 
-    # --- the index alone (R29) -------------------------------------------------------------------
+    # --- the index alone (R33) -------------------------------------------------------------------
 
     def kvouter_index(self, sel) -> KVOuterIndex:
         from ..host_runtime import HostRuntime

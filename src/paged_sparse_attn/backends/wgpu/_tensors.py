@@ -1,11 +1,11 @@
-"""Device arrays of the wgpu backend other than paged caches: queries, selections, outputs (R26).
+"""Device arrays of the wgpu backend other than paged caches: queries, selections, outputs (R30).
 
-A :class:`WgpuTensor` is one dense C-ordered array in one device buffer (or a range of one). The
+A ``WgpuTensor`` is one dense C-ordered array in one device buffer (or a range of one). The
 results of a device-resident call (``out``, ``lse``) share one buffer per call: ``out`` as
 float32, the combine's ``(m, l)`` pairs for ``lse`` (``lse = m + ln l``, ``-inf`` where ``l = 0``,
 turned into natural-log LSE when read), and the call's R6 error words of a device-resident
-selection, which every read checks first (R27): a selection that broke R6 raises
-:class:`~paged_sparse_attn.SpecError` when its results first reach the host.
+selection, which every read checks first (R31): a selection that broke R6 raises
+``SpecError`` when its results first reach the host.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def error_message(fn: str, bits: int, first_row_word: int, num_kv_heads: int, ms
 
 
 class WgpuTensor(DeviceArray):
-    """A dense array held by a :class:`~paged_sparse_attn.backends.wgpu.WgpuBackend`.
+    """A dense array held by a ``WgpuBackend``.
 
     Made by ``backend.asarray(x)`` (a copy of a host array) or returned by a device-resident
     call. ``numpy()`` copies it back to the host.

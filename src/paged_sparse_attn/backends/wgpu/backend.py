@@ -296,7 +296,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
             ctx.pipelines[key] = hit
         return hit
 
-    # --- plans and device arrays (R26, R28) -------------------------------------------------------
+    # --- plans and device arrays (R30, R32) -------------------------------------------------------
 
     def plans_forward(self, problem: Problem) -> bool:
         """Device-resident caches of one storage binding each: ``forward()`` takes the plan path."""
@@ -312,7 +312,7 @@ class WgpuBackend(IndexBranchMixin, Backend):
         return DeviceRuntime(self, layout)
 
     def asarray(self, x, *, dtype=None) -> WgpuTensor:
-        """Copy a host array (numpy, ``__array__`` or DLPack) to the device (R26).
+        """Copy a host array (numpy, ``__array__`` or DLPack) to the device (R30).
 
         Parameters
         ----------
@@ -328,14 +328,14 @@ class WgpuBackend(IndexBranchMixin, Backend):
         """
         from ..._validation import as_array
 
-        a = as_array(x, "asarray", "x", "R26")
+        a = as_array(x, "asarray", "x", "R30")
         if isinstance(a, DeviceArray):
             if a.backend is not self:
                 raise UnsupportedError(f"asarray(): x is a device array of {a.backend!r}, not of this backend [R18]")
             return a
         if dtype is not None and np.dtype(dtype) != a.dtype:
             raise SpecError(f"asarray(): x has dtype {a.dtype.name}, dtype={np.dtype(dtype).name} asked; cast it "
-                            "first (no silent cast) [R26]", "R26")
+                            "first (no silent cast) [R30]", "R30")
         with self._lock:
             return upload_tensor(self, self._device(), np.asarray(a), "array")
 
