@@ -133,7 +133,8 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
         for i in range(max(5, repeat)):
             pt.run_sparse(qs[i % L], kt, vt, iqs[i % L], ikt)
             splits.append(dict(tb.last_timings))
-        for k in ("gpu_index_s", "gpu_invert_s", "gpu_attention_s", "gpu_total_s", "encode_s", "wait_readback_s"):
+        for k in ("gpu_index_s", "gpu_scores_s", "gpu_topk_s", "gpu_invert_s", "gpu_attention_s", "gpu_total_s",
+                  "encode_s", "wait_readback_s"):
             vals = [s[k] for s in splits[1:] if k in s]
             if vals:
                 row[f"split_{k}"] = float(np.median(vals))

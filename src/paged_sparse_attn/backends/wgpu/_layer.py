@@ -480,34 +480,35 @@ class DeviceRuntime:
         want = self.be._opts.get("timestamps") and "timestamp-query" in self.ctx.features
         if want and getattr(self, "_qset", None) is None:
             dev = self.ctx.device
-            self._qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=6)
-            self._tsbuf = self._buffer(48, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
-            self._tsrb = self._buffer(48, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "ts.rb")
+            self._qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=8)
+            self._tsbuf = self._buffer(64, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
+            self._tsrb = self._buffer(64, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "ts.rb")
         return want
 
     def _timings(self, enc, sparse: bool) -> None:
         if getattr(self, "_qset", None) is not None:
-            n = 6 if sparse else 4
+            n = 8 if sparse else 4
             enc.resolve_query_set(self._qset, 0, n, self._tsbuf, 0)
             enc.copy_buffer_to_buffer(self._tsbuf, 0, self._tsrb, 0, 8 * n)
 
     def _read_timings(self, t: dict, sparse: bool) -> None:
-        """GPU seconds of the passes of the last call (``timestamps=True``): ``gpu_index_s`` (block
-        scores and top-k), ``gpu_invert_s`` (the inversion), ``gpu_attention_s`` (partials and
-        combine), ``gpu_total_s`` (first pass start to last pass end)."""
+        """GPU seconds of the passes of the last call (``timestamps=True``): ``gpu_scores_s``
+        (block scores), ``gpu_topk_s`` (top-k), ``gpu_index_s`` (both, their passes' start to
+        end), ``gpu_invert_s`` (the inversion), ``gpu_attention_s`` (partials and combine),
+        ``gpu_total_s`` (first pass start to last pass end)."""
         if getattr(self, "_qset", None) is None:
             return
-        n = 6 if sparse else 4
+        n = 8 if sparse else 4
         ts = np.frombuffer(map_read(self._tsrb, 8 * n), dtype=np.uint64).astype(np.int64).copy()
         self._tsrb.unmap()
         k = self.ctx.ns_per_tick * 1e-9
         t.update(gpu_invert_s=float(ts[1] - ts[0]) * k, gpu_attention_s=float(ts[3] - ts[2]) * k,
-                 gpu_total_s=float(ts[3] - (ts[4] if sparse else ts[0])) * k)
+                 gpu_total_s=float(ts[3] - (ts[4] if sparse else ts[0])) * k)  # passes in that order
         if sparse:
-            t["gpu_index_s"] = float(ts[5] - ts[4]) * k
+            t.update(gpu_index_s=float(ts[7] - ts[4]) * k, gpu_scores_s=float(ts[5] - ts[4]) * k,
+                     gpu_topk_s=float(ts[7] - ts[6]) * k)
 
     def _run_locked(self, fn, q, k, v, sel, sparse=None):
-        import wgpu
 
         self._live()
         t0 = time.perf_counter()
@@ -687,6 +688,7 @@ class DeviceRuntime:
             for f2, cnt, gx, gy in grid_dispatches(items.shape[0], maxdim):
                 records.append(_record(f2, cnt, gx, Tq, Hkv, msb, float(p.softmax_scale), 0, int(st.starts[1])))
                 calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
+        sp.n_score_calls = len(calls)
         cap = min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
         tpipe, tbgl = be._ib_pipeline(TOPK, 3, False, {"WG": TOPK_WG, "CAP": cap, "KEYS": 1})
         lo_passes = -(-int(msb - 1).bit_length() // 8)
@@ -721,7 +723,10 @@ class DeviceRuntime:
             self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
         enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(2))
-        for pipe, bgroup, grid in sp.calls:  # block scores, then the top-k into the plan's selection
+        for i, (pipe, bgroup, grid) in enumerate(sp.calls):  # block scores, then the top-k into the selection
+            if i == sp.n_score_calls and self._ts(3) is not None:  # timed: the top-k in a pass of its own
+                cp.end()
+                cp = enc.begin_compute_pass(timestamp_writes=self._ts(3))
             self._dispatch(cp, pipe, bgroup, grid)
         cp.end()
         self._encode(enc, q, k, v, None, groups=sp.groups)

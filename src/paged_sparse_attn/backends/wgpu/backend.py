@@ -16,6 +16,7 @@ reports why the backend cannot run instead of raising.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 import time
 import weakref
 from typing import Any, ClassVar
@@ -26,11 +27,12 @@ from ..._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Par
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
-from ._ceilings import copy_bandwidth, read_bandwidth
 from ._decode import DECODE, KERNELS, choose_decode_geometry, decode_ineligible
 from ._device import (DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, destroy_all, device_errors,
                       open_device, subgroup_size)
 from ._index_branch import IndexBranchMixin
+from ._profiling import ProfilingMixin
+from ._resident import MERGE_WG, ResidentMixin, layout_bytes
 from ._plan import (
     BatchPlan,
     Geometry,
@@ -49,14 +51,11 @@ __all__ = ["WgpuBackend", "WgpuArray", "WgpuTensor"]
 
 PARTIALS = "psa_partials.wgsl"
 MERGE = "psa_merge.wgsl"
-MERGE_WG = 64
 UNIT_KERNELS = frozenset({"psa_partials_decode.wgsl"})  # caches bound as vec4<u32>, one text for all dtypes
 # Kernels whose every index the host proves in range (validated index, planner-built records):
 # the only ones that may be compiled without runtime checks.
 TRUSTED_KERNELS = frozenset({"psa_partials.wgsl", "psa_partials_decode.wgsl", "psa_merge.wgsl"})
 PARAM_BYTES = 32
-AUTO_REPLAY_BUSY_S = 0.05  # profile_forward(replay="auto"): GPU time per call to aim for
-AUTO_REPLAY_MAX = 500
 MAX_QUERIES = 4096  # timestamp queries per query set (wgpu's limit)
 
 
@@ -70,19 +69,7 @@ def _u32_record(*vals) -> np.ndarray:
     return rec
 
 
-def _alloc(nbytes: int) -> int:
-    """Bytes of a buffer made for ``nbytes`` of data (at least 16, a multiple of 4)."""
-    nbytes = int(nbytes)
-    return max(16, nbytes + (-nbytes) % 4)
-
-
-def _layout_bytes(layout: CacheLayout) -> int:
-    """Device bytes of one cache (K or V) in ``layout``, as :func:`upload_slabs` allocates it."""
-    n = np.diff(layout.chunk_starts.astype(np.int64))
-    return int(np.maximum(16, n * layout.slab_bytes).sum())
-
-
-class WgpuBackend(IndexBranchMixin, Backend):
+class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
     """KV-outer sparse attention in WGSL through wgpu (Vulkan, Metal, D3D12; lavapipe on CPUs).
 
     Parameters
@@ -344,131 +331,6 @@ class WgpuBackend(IndexBranchMixin, Backend):
         with device_errors("readback", bytes=nbytes):
             return self._device().device.queue.read_buffer(buf, offset, nbytes)
 
-    # --- device-resident caches --------------------------------------------------------------------
-
-    def _check_cache_dtype(self, dtype: np.dtype, fn: str) -> None:
-        name = np.dtype(dtype).name
-        if name not in self.capabilities.dtypes:
-            extra = " (the device lacks the shader-f16 feature)" if name == "float16" else ""
-            raise UnsupportedError(f"{fn}(): backend 'wgpu' cannot hold a {name} cache{extra}; "
-                                   f"supported: {', '.join(self.capabilities.dtypes)} [R18]")
-
-    def upload_kv_cache(self, k_cache, v_cache) -> tuple[WgpuArray, WgpuArray]:
-        """Copy paged K and V caches ``[P, Hkv, S, D]`` to the device, to reuse across calls.
-
-        Returns
-        -------
-        (WgpuArray, WgpuArray)
-            Pass them to :func:`paged_sparse_attn.forward` in place of the numpy caches; update
-            pages with :meth:`update_pages`; free with ``.release()``.
-        """
-        from ..._validation import check_float_array
-
-        fn = "upload_kv_cache"
-        k = check_float_array(k_cache, fn, "k_cache", 4)
-        v = check_float_array(v_cache, fn, "v_cache", 4)
-        if k.shape != v.shape or k.dtype != v.dtype:
-            raise SpecError(f"{fn}(): k_cache and v_cache must have the same shape and dtype, got "
-                            f"{k.shape} {k.dtype.name} and {v.shape} {v.dtype.name} [R1]", "R1")
-        self._check_cache_dtype(k.dtype, fn)
-        with self._lock:
-            for attempt in (0, 1):
-                try:
-                    return self._upload_locked(k, v, fn)
-                except DeviceError:
-                    if attempt or not self._device_lost():
-                        raise
-                    self.close()  # the device was lost: upload to a new one
-
-    def _upload_locked(self, k: np.ndarray, v: np.ndarray, fn: str) -> tuple[WgpuArray, WgpuArray]:
-        ctx = self._device()
-        layout = CacheLayout.make(k.shape, k.dtype, ctx.binding_size)
-        self._check_budget(fn, {"k_cache and v_cache": 2 * _layout_bytes(layout)})
-        kb = upload_slabs(ctx.device, k, layout, "k_cache")
-        try:
-            vb = upload_slabs(ctx.device, v, layout, "v_cache")
-        except BaseException:
-            for b in kb:
-                b.destroy()
-            raise
-        ka = WgpuArray(self, layout, kb, self._generation, "k_cache")
-        va = WgpuArray(self, layout, vb, self._generation, "v_cache")
-        self._resident.update((ka, va))
-        return ka, va
-
-    def update_pages(self, k_dev: WgpuArray, v_dev: WgpuArray, page_ids, k_pages, v_pages) -> None:
-        """Overwrite whole pages of resident caches (e.g. after appending tokens in a decode loop).
-
-        Parameters
-        ----------
-        k_dev, v_dev : WgpuArray
-            From :meth:`upload_kv_cache`.
-        page_ids : int array [n]
-            Physical page ids in ``[0, P)``.
-        k_pages, v_pages : array [n, Hkv, S, D]
-            New contents, same dtype as the caches.
-        """
-        with self._lock:
-            self._write_pages(k_dev, page_ids, k_pages)
-            self._write_pages(v_dev, page_ids, v_pages)
-
-    def _own(self, arr: WgpuArray, fn: str) -> None:
-        if not isinstance(arr, WgpuArray) or arr.backend is not self:
-            raise UnsupportedError(f"{fn}(): expected a WgpuArray of this backend, got {arr!r} [R18]")
-
-    def _write_pages(self, arr: WgpuArray, page_ids, pages) -> None:
-        with self._lock:
-            self._write_pages_locked(arr, page_ids, pages)
-
-    def _write_pages_locked(self, arr: WgpuArray, page_ids, pages) -> None:
-        fn = "update_pages"
-        self._own(arr, fn)
-        P, Hkv, S, D = arr.shape
-        ids = np.asarray(page_ids)
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise SpecError(f"{fn}(): page_ids must be a 1-D integer array, got {ids.dtype} {ids.shape} [R2]", "R2")
-        ids = ids.astype(np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= P):
-            raise SpecError(f"{fn}(): page_ids must lie in [0, {P}), got {ids.min()}..{ids.max()} [R2]", "R2")
-        data = np.asarray(pages)
-        if data.shape != (ids.shape[0], Hkv, S, D) or data.dtype != arr.dtype:
-            raise SpecError(f"{fn}(): pages must be {arr.dtype.name} [{ids.shape[0]}, {Hkv}, {S}, {D}], "
-                            f"got {data.dtype.name} {list(data.shape)} [R1]", "R1")
-        lay = arr.layout
-        bufs = arr.buffers()
-        ctx = self._device()
-        rows = lay.pad_rows(data.reshape(ids.shape[0] * Hkv, S * D))
-        gslab = (ids[:, None] * Hkv + np.arange(Hkv)).ravel()
-        chunk = np.searchsorted(lay.chunk_starts, gslab, side="right") - 1
-        with device_errors(f"{fn} of {arr._label}", pages=int(ids.shape[0])):
-            # consecutive slabs of one chunk go in one write
-            i = 0
-            n = gslab.shape[0]
-            while i < n:
-                j = i + 1
-                while j < n and chunk[j] == chunk[i] and gslab[j] == gslab[j - 1] + 1:
-                    j += 1
-                off = (int(gslab[i]) - int(lay.chunk_starts[chunk[i]])) * lay.slab_bytes
-                ctx.device.queue.write_buffer(bufs[int(chunk[i])], off, rows[i:j])
-                i = j
-
-    def _read_cache(self, arr: WgpuArray) -> np.ndarray:
-        self._own(arr, "to_numpy")
-        with self._lock:
-            ctx = self._device()
-            lay = arr.layout
-            P, Hkv, S, D = arr.shape
-            parts = []
-            with device_errors(f"readback of {arr._label}", chunks=lay.n_chunks):
-                for c, buf in enumerate(arr.buffers()):
-                    n = int(lay.chunk_starts[c + 1] - lay.chunk_starts[c])
-                    if n == 0:
-                        continue
-                    raw = ctx.device.queue.read_buffer(buf, 0, n * lay.slab_bytes)
-                    parts.append(lay.unpad_rows(np.frombuffer(raw, dtype=lay.dtype).reshape(n, lay.slab_stride)))
-            flat = np.concatenate(parts) if parts else np.zeros((0, S * D), dtype=lay.dtype)
-            return flat.reshape(P, Hkv, S, D).copy()
-
     # --- the forward pipeline ----------------------------------------------------------------------
 
     def _cache_layout(self, problem: Problem, view: IndexView, fn: str) -> tuple[CacheLayout, str]:
@@ -514,52 +376,6 @@ class WgpuBackend(IndexBranchMixin, Backend):
             raise
         return kb, vb, kb + vb
 
-    # --- device memory accounting (max_device_bytes) ------------------------------------------------
-
-    def _held_bytes(self) -> int:
-        """Device bytes held between calls: live resident arrays of this device and the scratch."""
-        held = sum(a.device_bytes for a in list(self._resident)
-                   if not a.released and a._generation == self._generation)
-        sc = self._ctx.scratch if self._ctx is not None else None
-        return held + (sum(int(b.size) for b in sc) if sc else 0)
-
-    def _check_budget(self, fn: str, need: dict) -> None:
-        """Refuse (R18) before allocating if ``need`` (bytes by purpose) exceeds max_device_bytes."""
-        if self._max_bytes is None:
-            return
-        held = self._held_bytes()
-        total = sum(need.values())
-        if held + total > self._max_bytes:
-            parts = ", ".join(f"{k} {v}" for k, v in need.items() if v)
-            raise UnsupportedError(
-                f"{fn}(): backend 'wgpu' needs {total} bytes of device memory ({parts}), "
-                f"{max(0, self._max_bytes - held)} bytes are available (max_device_bytes={self._max_bytes}, "
-                f"{held} held by resident caches and scratch); nothing was allocated. Use fewer queries or "
-                "sequences per call, release resident caches, or raise max_device_bytes [R18]")
-
-    def _call_bytes(self, ctx: DeviceContext, plans: list[BatchPlan], geom: Geometry) -> dict:
-        """Device bytes :meth:`_execute` allocates for ``plans`` (mirrors its buffers)."""
-        D, G = geom.D, geom.G
-        maxdim = ctx.workgroups_per_dim
-        work = readback = 0
-        for bp in plans:
-            nq = (bp.q_rows.stop - bp.q_rows.start) if isinstance(bp.q_rows, slice) else len(bp.q_rows)
-            records = sum(-(-count // (maxdim * maxdim)) for _, _, count in bp.dispatches)
-            if bp.merge_words is not None:
-                per = max(1, min(maxdim * maxdim * MERGE_WG // D, (1 << 30) // D))
-                records += -(-bp.n_dest // per)
-                work += _alloc(bp.merge_words.nbytes)
-            work += (_alloc(nq * G * D * 4) + _alloc(bp.plan_words.nbytes) + _alloc(records * ctx.uniform_align)
-                     + _alloc(bp.n_dest * D * 4) + _alloc(bp.n_dest * 8))  # outputs
-            readback += bp.n_dest * D * 4 + bp.n_dest * 8
-        work += _alloc(readback)  # one readback buffer for every result (_transfer)
-        rows = max([p.n_prows for p in plans if not p.identity] or [0])
-        have = ctx.scratch
-        grow = 0
-        if rows and (have is None or have[0].size < rows * D * 4 or have[1].size < rows * 8):
-            grow = max(16, rows * D * 4) + max(16, rows * 8) - (sum(int(b.size) for b in have) if have else 0)
-        return {"call buffers": work, "scratch growth": max(0, grow)}
-
     # --- the forward pipeline ----------------------------------------------------------------------
 
     def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
@@ -586,117 +402,6 @@ class WgpuBackend(IndexBranchMixin, Backend):
         with np.errstate(divide="ignore", invalid="ignore"):  # NaN l: NaN lse, like the reference
             lse = np.where(l != 0, ml[:, 0].astype(np.float64) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
         return o.reshape(Tq, Hq, D), lse.astype(np.float32).reshape(Tq, Hq)
-
-    # --- profiling ---------------------------------------------------------------------------------
-
-    def profile_forward(self, problem: Problem, index: KVOuterIndex, repeat: int = 20,
-                        kernel: str | None = None, replay: int | str = 1, warmup_s: float = 0.0) -> dict:
-        """GPU time of :meth:`forward` on ``problem`` from timestamp queries (median of ``repeat``).
-
-        Every pass of a forward call is timed (partials, merge); the caches should already be
-        device-resident, so no upload is included. The first call (pipeline compilation) is not
-        counted. ``kernel`` (``"auto"``, ``"generic"`` or ``"decode"``) overrides the
-        backend's ``partials_kernel`` for these calls.
-
-        Steady state: a GPU that idles between calls (host work between them) runs at its idle
-        clock, and so would its timings. ``replay=R`` encodes each call's passes R times back to
-        back in its one submission (each replay recomputes the same outputs; the times are the
-        median over replays); ``replay="auto"`` picks R so that one call keeps the GPU busy for
-        about 50 ms (at least 10 replays): host work between calls then leaves the GPU idle for a
-        small fraction of the time only. ``warmup_s`` first runs such calls, untimed, for that
-        many seconds, so that the clocks have risen. The benchmark uses ``replay="auto",
-        warmup_s=1.0``.
-
-        Returns
-        -------
-        dict
-            ``total_s`` (first pass start to last pass end), ``partials_s`` and ``combine_s``
-            (sums over their passes), ``call_s`` (the call's kernels in one compute pass, as
-            :meth:`forward` encodes them, timed around that pass: one pass per replay; median;
-            None without timestamps), ``wall_s`` (median host time of a whole call), ``repeat``,
-            ``timer`` (``"timestamp-query"``, or ``"wall"`` when the device has no timestamps:
-            then the three GPU times are the host time around submit and wait), ``kernel`` (the
-            partials kernel that ran).
-        """
-        if kernel is not None and kernel not in ("auto", *KERNELS):
-            raise ValueError(f"profile_forward(): kernel must be 'auto', 'generic' or 'decode', got {kernel!r}")
-        runs = []
-        calls: list = []
-        with self._lock:  # the flags below apply to this thread's calls only
-            self._profiling = True
-            self._kernel_override = kernel
-            try:
-                if replay == "auto":
-                    self._replay = 1
-                    self.forward(problem, index)  # compiles, and gives one replay's GPU time
-                    t1 = self.last_timings.get("gpu_total_s") or self.last_timings.get("gpu_wait_s") or 1e-3
-                    replay = int(min(AUTO_REPLAY_MAX, max(10, np.ceil(AUTO_REPLAY_BUSY_S / max(t1, 1e-7)))))
-                self._replay = max(1, int(replay))
-                t_warm = time.perf_counter()
-                while time.perf_counter() - t_warm < float(warmup_s):
-                    self.forward(problem, index)
-                # the calls encoded as forward() encodes them (one pass, no timestamp between the
-                # kernels), a timed pass per replay; then a timed pass per kernel run
-                self._one_pass = True
-                for _ in range(int(repeat)):
-                    self.forward(problem, index)
-                    if "gpu_call_s" in self.last_timings:
-                        calls.append(self.last_timings["gpu_call_s"])
-                self._one_pass = False
-                for i in range(int(repeat) + 1):
-                    t0 = time.perf_counter()
-                    self.forward(problem, index)
-                    wall = time.perf_counter() - t0
-                    if i:
-                        runs.append((dict(self.last_timings), wall))
-            finally:
-                self._one_pass = False
-                self._profiling = False
-                self._kernel_override = None
-                self._replay = 1
-        ts = all("gpu_total_s" in t for t, _ in runs) and bool(runs)
-        med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
-        if ts:
-            total = med([t["gpu_total_s"] for t, _ in runs])
-            part = med([t["gpu_partials_s"] for t, _ in runs])
-            comb = med([t["gpu_merge_s"] for t, _ in runs])
-        else:
-            total = part = med([t.get("gpu_wait_s", 0.0) / t.get("replay", 1) for t, _ in runs])
-            comb = 0.0
-        samples = [(t.get("gpu_total_s"), t.get("gpu_partials_s"), t.get("gpu_merge_s")) for t, _ in runs]
-        return dict(total_s=total, partials_s=part, combine_s=comb, call_s=med(calls) if calls else None,
-                    wall_s=med([w for _, w in runs]),
-                    samples=samples,
-                    repeat=len(runs), replay=runs[-1][0].get("replay", 1) if runs else 1,
-                    timer="timestamp-query" if ts else "wall",
-                    kernel=runs[-1][0].get("kernel") if runs else None)
-
-    def copy_bandwidth(self, nbytes: int = 1 << 28, repeat: int = 10) -> float:
-        """Device copy bandwidth in bytes/s (bytes read plus bytes written), median of ``repeat``.
-
-        Times ``copy_buffer_to_buffer`` between two device buffers of ``nbytes`` (capped by the
-        device's buffer size) with timestamps written by empty compute passes around the copy.
-        Without the ``timestamp-query`` feature the host time around submit and wait is used
-        instead (which includes the submission latency); :attr:`last_timings` says which
-        (``timer``).
-        """
-        with self._lock:
-            r = copy_bandwidth(self._device(), nbytes, repeat)
-        self.last_timings = {k: v for k, v in r.items() if k != "bytes_per_s"}
-        return r["bytes_per_s"]
-
-    def read_bandwidth(self, nbytes: int = 1 << 30, repeat: int = 10, warmup_s: float = 0.0) -> float:
-        """Streaming read bandwidth in bytes/s (bytes read), median of ``repeat``.
-
-        Times ``psa_read_bandwidth.wgsl`` reading one buffer of ``nbytes`` (capped by the
-        binding size): what a read-bound kernel can reach through wgpu on this device, after
-        ``warmup_s`` seconds of untimed reads (clocks rise under load).
-        :attr:`last_timings` holds ``read_s``, ``read_bytes`` and ``timer``.
-        """
-        with self._lock:
-            r = read_bandwidth(self._device(), nbytes, repeat, warmup_s=warmup_s)
-        self.last_timings = {k: v for k, v in r.items() if k != "bytes_per_s"}
-        return r["bytes_per_s"]
 
     def _device_lost(self) -> bool:
         """Whether the current device is lost (then even a 16-byte allocation fails)."""
@@ -738,10 +443,15 @@ class WgpuBackend(IndexBranchMixin, Backend):
         layout, upload = self._cache_layout(problem, view, fn)
         t1 = time.perf_counter()
         # plan everything and check the memory it needs before allocating anything
-        geom = self._geometry(ctx, view, D, G, layout.itemsize, fn)
+        # the kernel and its tiles follow the batch layout (the most queries a sequence has, an
+        # upper bound of the queries reading one block), not this selection: a plan (which never
+        # sees the selection on the host) picks the same, and so computes the same bits (R19)
+        layout_view = SimpleNamespace(max_slot_edges=max(1, int(np.diff(index.cu_seqlens_q).max(initial=1))),
+                                      index=index)
+        geom = self._geometry(ctx, layout_view, D, G, layout.itemsize, fn)
         plans = (plan_forward if mode == "forward" else plan_partials)(view, geom, layout.slab_map(), ctx.binding_size)
         if self._max_bytes is not None:  # (the accounting is only needed under a budget)
-            upload_bytes = {"none": 0, "k": 1, "v": 1, "both": 2}[upload] * _layout_bytes(layout)
+            upload_bytes = {"none": 0, "k": 1, "v": 1, "both": 2}[upload] * layout_bytes(layout)
             self._check_budget(fn, {"cache upload": upload_bytes, **self._call_bytes(ctx, plans, geom)})
         t2 = time.perf_counter()
         kbufs, vbufs, temps = self._cache_upload(problem, layout, upload)
