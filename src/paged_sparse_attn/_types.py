@@ -53,7 +53,13 @@ class Capabilities:
     device_arrays : bool
         Whether the backend accepts device-resident caches (:class:`DeviceArray`).
     deterministic : bool
-        Same bits for the same inputs on the same device (R19).
+        Same bits for the same inputs on the same device, run after run (R19).
+    batch_invariant : bool
+        The bits of every output row depend only on that row's own inputs, not on the other
+        sequences of the batch, their number or order, or the kernel chosen for the batch (R26).
+    index_branch : bool
+        The backend implements ``block_scores`` and ``select_topk`` (R21-R25); the API refuses
+        the index branch on a backend without it (R18).
     features : frozenset of str
         Device features that matter (``"shader-f16"``, ``"subgroup"``, ``"timestamp-query"``).
     limits : mapping
@@ -68,6 +74,8 @@ class Capabilities:
     max_block_size: int | None = None
     device_arrays: bool = False
     deterministic: bool = True
+    batch_invariant: bool = False
+    index_branch: bool = False
     features: frozenset[str] = frozenset()
     limits: Mapping[str, int] = field(default_factory=dict)
     device: str = "cpu"

@@ -44,6 +44,8 @@ class NumpyBackend(Backend):
             dtypes=tuple(d.name for d in FLOAT_DTYPES),
             device_arrays=False,
             deterministic=True,
+            batch_invariant=True,
+            index_branch=True,
             device="cpu (numpy)",
         )
 
