@@ -25,7 +25,8 @@ import importlib
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from ._types import Availability, DeviceArray
 from .backends.base import Backend
