@@ -38,6 +38,8 @@ __all__ = [
     "selections",
     "problems",
     "invalid_problems",
+    "index_problems",
+    "IndexCase",
     "PageTable",
     "RULES",
     "MUTATIONS",
@@ -382,6 +384,45 @@ def problems(
                             q_dtype=q_dtype, cache_dtype=cache_dtype)
     return AttentionProblem(q, kc, vc, pt.table, sel, cu, None if use_default else lens, BS,
                             softmax_scale=scale, causal=is_causal, values=f"{kind}(seed={seed})")
+
+
+# --- index-branch problems (R21-R25) ---------------------------------------------------------
+
+class IndexCase(tuple):
+    """``(problem, index_q [Tq, Hkv, d_idx], index_k_cache [P, Hk_idx, S, d_idx])``, as drawn by
+    :func:`index_problems`: a valid forward problem and index inputs paged like its caches."""
+
+    __slots__ = ()
+
+    def __new__(cls, problem: AttentionProblem, index_q: np.ndarray, index_k_cache: np.ndarray):
+        return super().__new__(cls, (problem, index_q, index_k_cache))
+
+    problem = property(lambda self: self[0])
+    index_q = property(lambda self: self[1])
+    index_k_cache = property(lambda self: self[2])
+
+    def score_args(self) -> tuple:
+        """The positional arguments of ``block_scores`` (and ``block_scores_reference``)."""
+        p = self.problem
+        return (self.index_q, self.index_k_cache, p.block_tables, p.cu_seqlens_q, p.used_kv_lens)
+
+
+@st.composite
+def index_problems(draw, *, caps: Capabilities | None = None, index_dim=(4, 1, 3, 8),
+                   shared_index_head=st.booleans(), **problem_kwargs) -> IndexCase:
+    """A valid problem of the index branch: :func:`problems` plus index queries and keys (R21).
+
+    ``index_k_cache`` has the pages and page size of the caches and ``Hk_idx`` = 1 (one index
+    key head shared by every KV head) or ``Hkv``; index data are standard normal, in the cache's
+    dtype, from a drawn seed. ``index_dim`` is bounded by ``caps.max_head_dim``.
+    """
+    p = draw(problems(caps=caps, **problem_kwargs))
+    d = draw(_bounded(index_dim, caps.max_head_dim if caps else None))
+    hk = 1 if draw(_s(shared_index_head)) else p.num_kv_heads
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    iq = rng.standard_normal((p.num_queries, p.num_kv_heads, d)).astype(p.k_cache.dtype)
+    ik = rng.standard_normal((p.num_pages, hk, p.page_size, d)).astype(p.k_cache.dtype)
+    return IndexCase(p, iq, ik)
 
 
 # --- invalid problems: one rule violation at a time (R17) ------------------------------------
