@@ -116,21 +116,14 @@ def test_R20_agrees_with_numpy_backend(backend, data):
 
 
 @given(data=st.data())
-def test_R19_same_inputs_same_bits(backend, data):
-    """Binds backends that declare ``deterministic`` (numpy does)."""
-    if not backend.capabilities.deterministic:
-        pytest.skip(f"backend {backend.name!r} declares itself non-deterministic")
+def test_R19_same_inputs_same_result(backend, data):
+    """Every backend: two runs agree to twice the R20 tolerance and both give the exact empty
+    rows of R11. A backend that declares ``deterministic`` (numpy does): the same bits."""
     p = _problem(data, backend)
     (o1, l1), (o2, l2) = p.forward(backend), p.forward(backend)
-    assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes(), "R19: two runs gave different bits"
-
-
-@given(data=st.data())
-def test_R19_every_backend_repeats_itself_within_tolerance(backend, data):
-    """What R19 asks of every backend, deterministic or not: two runs agree to twice the R20
-    tolerance, and both give the exact empty rows of R11."""
-    p = _problem(data, backend)
-    (o1, l1), (o2, l2) = p.forward(backend), p.forward(backend)
+    if backend.capabilities.deterministic:
+        assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes(), (
+            f"[{backend.name}] R19: two runs gave different bits on a backend that declares deterministic")
     empty = _rows_per_q_head(~oracle.attended_mask(p).any(axis=-1), p.group_size)
     for o, l in ((o1, l1), (o2, l2)):
         assert_empty_rows_exact(o, l, np.where(empty, -np.inf, 0.0), err_msg=f"[{backend.name}] R19:")
@@ -161,52 +154,34 @@ def _rows_of(p: AttentionProblem, order: list[int], at: int, res) -> tuple[np.nd
 @given(data=st.data())
 def test_R26_rows_do_not_depend_on_the_rest_of_the_batch(backend, data):
     """Binds backends that declare ``batch_invariant`` (numpy does): a sequence's rows give the
-    same bits alone, in its batch, and in a shuffled and enlarged batch."""
-    if not backend.capabilities.batch_invariant:
+    same bits alone, in its batch, and in a shuffled and enlarged batch; with the index branch,
+    its block scores and its selection too."""
+    caps = backend.capabilities
+    if not caps.batch_invariant:
         pytest.skip(f"backend {backend.name!r} does not declare batch_invariant (R26)")
-    p = _problem(data, backend, num_seqs=st.integers(2, 4), max_queries=16)
+    c = data.draw(pst.index_problems(caps=caps, num_seqs=st.integers(2, 4), max_queries=16), label="problem")
+    p = c.problem
     b = data.draw(st.integers(0, p.num_seqs - 1), label="sequence")
     others = [x for x in range(p.num_seqs) if x != b]
     shuffled = data.draw(st.permutations(others + others[:1] + [b]), label="shuffled, enlarged batch")
     batches = [[b], list(range(p.num_seqs)), list(shuffled)]
     got = []
     for order in batches:
-        got.append(_rows_of(p, order, order.index(b), _batch(p, order).forward(backend)))
-    for order, (o, l) in zip(batches[1:], got[1:]):
-        assert o.tobytes() == got[0][0].tobytes() and l.tobytes() == got[0][1].tobytes(), (
-            f"[{backend.name}] R26: the rows of sequence {b} alone differ from its rows in the batch {order}")
-
-
-def _plain_attention(p: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
-    """Textbook attention of every query over the first L_b tokens of its sequence, causal
-    right-aligned (query i of T_b sees positions <= L_b - T_b + i), in float64."""
-    out = np.zeros(p.q.shape)
-    lse = np.full(p.q.shape[:2], -np.inf)
-    S, G = p.page_size, p.group_size
-    for b in range(p.num_seqs):
-        lo, hi = int(p.cu_seqlens_q[b]), int(p.cu_seqlens_q[b + 1])
-        L, T = int(p.kv_lens[b]), hi - lo
-        pos = np.arange(L)
-        pages = p.block_tables[b, pos // S]
-        K = p.k_cache[pages, :, pos % S].astype(np.float64)  # [L, Hkv, D]
-        V = p.v_cache[pages, :, pos % S].astype(np.float64)
-        for i in range(T):
-            seen = pos <= L - T + i if p.causal else pos >= 0
-            for hq in range(p.num_q_heads):
-                s = p.scale * (K[seen, hq // G] @ p.q[lo + i, hq].astype(np.float64))
-                if s.size:
-                    w = np.exp(s - s.max())
-                    out[lo + i, hq] = w @ V[seen, hq // G] / w.sum()
-                    lse[lo + i, hq] = s.max() + math.log(w.sum())
-    return out, lse
-
-
-@given(data=st.data())
-def test_R9_selecting_every_block_is_dense_causal_attention(backend, data):
-    p = _problem(data, backend, holes=False, all_blocks=True)
-    out, lse = p.forward(backend)
-    ref, ref_lse = _plain_attention(p)
-    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+        pb = _batch(p, order)
+        rows = _rows_of(p, order, order.index(b), pb.forward(backend))
+        if caps.index_branch:
+            iq = np.concatenate([c.index_q[p.cu_seqlens_q[x]:p.cu_seqlens_q[x + 1]] for x in order])
+            sc = block_scores(iq, c.index_k_cache, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens,
+                              block_size=p.block_size, causal=p.causal, backend=backend)
+            sel = select_topk(sc, max(1, p.topk), cu_seqlens_q=pb.cu_seqlens_q, used_kv_lens=pb.used_kv_lens,
+                              block_size=p.block_size, backend=backend)
+            rows += _rows_of(p, order, order.index(b), (np.asarray(sc), np.asarray(sel)))
+        got.append(rows)
+    names = ("out", "lse", "block scores", "selection")
+    for order, rows in zip(batches[1:], got[1:]):
+        for name, x, alone in zip(names, rows, got[0]):
+            assert x.tobytes() == alone.tobytes(), (
+                f"[{backend.name}] R26: the {name} of sequence {b} alone differ from those in the batch {order}")
 
 
 # --- invariances ------------------------------------------------------------------------------
