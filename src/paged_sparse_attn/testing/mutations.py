@@ -1,21 +1,25 @@
-"""The catalogue of single-rule violations of ``forward``'s inputs (R17).
+"""The catalogue of single-rule violations of the public functions' inputs (R17).
 
-:data:`MUTATIONS` maps every rule an input can break (R1-R8) to functions that take a valid
+:data:`MUTATIONS` maps every rule an input of ``forward`` can break (R1-R8) to functions that take a valid
 :class:`~paged_sparse_attn.testing.problem.AttentionProblem` and return the arguments to change
 so that exactly that rule is violated, with a sentence saying how (or None when the mutation
 does not apply to that problem). :func:`paged_sparse_attn.testing.strategies.invalid_problems`
-draws from it; the catalogue itself needs neither hypothesis nor pytest.
+draws from it. :data:`INDEX_MUTATIONS` does the same for the rules only the index branch's
+inputs can break (R21, R23, R25), as calls of ``sparse_attention``
+(:func:`~paged_sparse_attn.testing.strategies.invalid_index_problems`). The catalogue needs
+neither hypothesis nor pytest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from .problem import AttentionProblem
 
-__all__ = ["RULES", "MUTATIONS", "Mutation", "Pick"]
+__all__ = ["RULES", "MUTATIONS", "Mutation", "Pick", "INDEX_RULES", "INDEX_MUTATIONS", "IndexMutation"]
 
 RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8")
 """The rules an input of ``forward`` can break; each has at least one mutation."""
@@ -272,3 +276,76 @@ MUTATIONS: dict[str, tuple[Mutation, ...]] = {
 """The catalogue of single-rule violations: rule id -> mutations of a valid problem."""
 
 
+
+
+# --- the index branch: violations of sparse_attention's own rules (R21, R23, R25) -------------
+
+INDEX_RULES = ("R21", "R23", "R25")
+"""The rules only an input of the index branch can break; each has at least one mutation."""
+
+IndexMutation = Callable[[Any, Pick], "tuple[dict, str] | None"]  # (IndexCase, pick) -> changes
+
+
+def _r21_index_q_2d(c, pick):
+    return {"index_q": np.ascontiguousarray(c.index_q[:, 0])}, "index_q is 2-D"
+
+
+def _r21_index_k_3d(c, pick):
+    return {"index_k_cache": np.ascontiguousarray(c.index_k_cache[:, 0])}, "index_k_cache is 3-D"
+
+
+def _r21_index_dims_differ(c, pick):
+    ik = c.index_k_cache
+    extra = np.zeros((*ik.shape[:3], pick(1, 2)), ik.dtype)
+    return {"index_k_cache": np.concatenate([ik, extra], axis=3)}, "index_k_cache has a larger d_idx than index_q"
+
+
+def _r21_index_heads(c, pick):
+    ik = c.index_k_cache
+    hk = c.problem.num_kv_heads + pick(1, 2)
+    return {"index_k_cache": np.zeros((ik.shape[0], hk, *ik.shape[2:]), ik.dtype)}, \
+        f"index_k_cache has Hk_idx={hk}, neither 1 nor Hkv={c.problem.num_kv_heads}"
+
+
+def _r21_index_dim_zero(c, pick):
+    iq, ik = c.index_q, c.index_k_cache
+    return {"index_q": np.zeros((*iq.shape[:2], 0), iq.dtype),
+            "index_k_cache": np.zeros((*ik.shape[:3], 0), ik.dtype)}, "d_idx = 0"
+
+
+def _r23_topk(c, pick):
+    bad = [0, -pick(1, 3), 2.0, True, None][pick(0, 4)]
+    return {"topk": bad}, f"topk = {bad!r} (the local block needs a slot)"
+
+
+def _r25_index_q_rows(c, pick):
+    iq = c.index_q
+    return {"index_q": np.concatenate([iq, np.zeros((1, *iq.shape[1:]), iq.dtype)])}, \
+        f"index_q has Tq={iq.shape[0] + 1} rows, q has {iq.shape[0]}"
+
+
+def _r25_index_q_heads(c, pick):
+    iq = c.index_q
+    return {"index_q": np.concatenate([iq, np.zeros((iq.shape[0], 1, iq.shape[2]), iq.dtype)], axis=1)}, \
+        f"index_q has {iq.shape[1] + 1} KV heads, k_cache {iq.shape[1]}"
+
+
+def _r25_index_k_pages(c, pick):
+    ik = c.index_k_cache
+    return {"index_k_cache": np.concatenate([ik, np.zeros((1, *ik.shape[1:]), ik.dtype)])}, \
+        f"index_k_cache has {ik.shape[0] + 1} pages, k_cache {ik.shape[0]}"
+
+
+def _r25_index_k_page_size(c, pick):
+    ik = c.index_k_cache
+    return {"index_k_cache": np.concatenate([ik, np.zeros((*ik.shape[:2], 1, ik.shape[3]), ik.dtype)], axis=2)}, \
+        f"index_k_cache has page size {ik.shape[2] + 1}, k_cache {ik.shape[2]}"
+
+
+INDEX_MUTATIONS: dict[str, tuple[IndexMutation, ...]] = {
+    "R21": (_r21_index_q_2d, _r21_index_k_3d, _r21_index_dims_differ, _r21_index_heads, _r21_index_dim_zero),
+    "R23": (_r23_topk,),
+    "R25": (_r25_index_q_rows, _r25_index_q_heads, _r25_index_k_pages, _r25_index_k_page_size),
+}
+"""Violations of ``sparse_attention``'s index inputs: rule id -> mutations of an
+:class:`~paged_sparse_attn.testing.strategies.IndexCase`."""

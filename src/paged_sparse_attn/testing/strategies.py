@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from .._types import Capabilities
 from .._validation import FLOAT_DTYPES
-from .mutations import MUTATIONS, RULES, Mutation, Pick  # noqa: F401  (re-exported)
+from .mutations import INDEX_MUTATIONS, INDEX_RULES, MUTATIONS, RULES, Mutation, Pick  # noqa: F401  (re-exported)
 from .problem import FORWARD_ARGS, AttentionProblem, InvalidCall
 
 __all__ = [
@@ -39,6 +39,9 @@ __all__ = [
     "problems",
     "invalid_problems",
     "index_problems",
+    "invalid_index_problems",
+    "INDEX_RULES",
+    "INDEX_MUTATIONS",
     "IndexCase",
     "PageTable",
     "RULES",
@@ -462,3 +465,37 @@ def invalid_problems(draw, *, caps: Capabilities | None = None, rules: Sequence[
             kwargs.update(changes)
             return InvalidCall({n: kwargs[n] for n in FORWARD_ARGS}, rule, what, base)
     raise AssertionError("unreachable: some mutation applies to every problem")  # pragma: no cover
+
+
+SPARSE_ATTENTION_ARGS = ("q", "k_cache", "v_cache", "index_q", "index_k_cache", "block_tables", "cu_seqlens_q",
+                         "used_kv_lens", "block_size", "topk", "causal", "softmax_scale")
+
+
+@st.composite
+def invalid_index_problems(draw, *, caps: Capabilities | None = None, rules: Sequence[str] = INDEX_RULES,
+                           **problem_kwargs) -> InvalidCall:
+    """A call of ``sparse_attention`` that violates exactly one index-branch rule (R17).
+
+    A small valid :func:`index_problems` case is drawn, then one mutation of
+    :data:`INDEX_MUTATIONS` for one of ``rules``; ``InvalidCall.kwargs`` are the keyword
+    arguments of :func:`paged_sparse_attn.index_branch.sparse_attention`.
+    """
+    rules = list(rules)
+    unknown = [r for r in rules if r not in INDEX_MUTATIONS]
+    if unknown:
+        raise ValueError(f"invalid_index_problems(): unknown rule ids {unknown}; known: {list(INDEX_MUTATIONS)}")
+    problem_kwargs.setdefault("max_queries", 6)
+    case = draw(index_problems(caps=caps, **problem_kwargs))
+    pick: Pick = lambda lo, hi: draw(st.integers(lo, hi))  # noqa: E731
+    candidates = [(r, m) for r in rules for m in INDEX_MUTATIONS[r]]
+    order = draw(st.permutations(range(len(candidates))))
+    for i in order:
+        rule, mutate = candidates[i]
+        got = mutate(case, pick)
+        if got is not None:
+            changes, what = got
+            p = case.problem
+            kwargs = {**p.kwargs(), "index_q": case.index_q, "index_k_cache": case.index_k_cache,
+                      "topk": max(1, p.topk), **changes}
+            return InvalidCall({n: kwargs[n] for n in SPARSE_ATTENTION_ARGS}, rule, what, p)
+    raise AssertionError("unreachable: some mutation applies to every case")  # pragma: no cover

@@ -69,7 +69,7 @@ def _no_backend_work(backend):
         return call
 
     patched = []
-    for name in ("forward", "forward_partials", "combine_partials"):
+    for name in ("forward", "forward_partials", "combine_partials", "block_scores", "select_topk"):
         try:
             setattr(backend, name, trap(name))
             patched.append(name)
@@ -405,6 +405,18 @@ def test_R17_single_violation_raises_spec_error_naming_the_rule(backend, rule, d
     err = info.value
     assert err.rule == rule, f"{bad.what}: expected a SpecError for {rule}, got {err.rule}: {err}"
     assert str(err).startswith("forward(): ") and str(err).endswith(f"[{rule}]"), f"message format: {err}"
+
+
+@pytest.mark.parametrize("rule", pst.INDEX_RULES)
+@given(data=st.data())
+def test_R17_index_branch_violation_raises_spec_error_naming_the_rule(backend, rule, data):
+    """Validation precedes the capability check, so this binds every backend, index branch or not."""
+    bad = data.draw(pst.invalid_index_problems(caps=backend.capabilities, rules=[rule]), label="invalid call")
+    with _no_backend_work(backend), pytest.raises(psa.SpecError) as info:
+        sparse_attention(**bad.kwargs, backend=backend)
+    err = info.value
+    assert err.rule == rule, f"{bad.what}: expected a SpecError for {rule}, got {err.rule}: {err}"
+    assert str(err).startswith("sparse_attention(): ") and str(err).endswith(f"[{rule}]"), f"message format: {err}"
 
 
 def _minimal(dtype: str, D: int, S: int, BS: int) -> dict:
