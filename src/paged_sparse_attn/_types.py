@@ -109,8 +109,17 @@ class DeviceArray:
 class Problem:
     """A validated forward problem (R1-R8); built only by the validation layer.
 
-    Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float array, the caches are
-    numpy arrays or :class:`DeviceArray` handles.
+    What every backend receives (the spec's backend contract lists it field by field). Index
+    arrays are int32 and C-contiguous; ``q`` is a C-contiguous float32, float16 or bfloat16
+    array; the caches are numpy arrays (as passed, any strides) or :class:`DeviceArray` handles
+    of the backend. ``used_kv_lens`` always holds the lengths: the R4 default
+    ``msb * block_size`` is filled in when the caller passed None. ``softmax_scale`` is resolved
+    (default ``1 / sqrt(D)``, R8). ``selected`` has ``topk = 0`` columns in the problem of
+    ``forward_partials``, whose edges come from the index.
+
+    Derived sizes: ``num_queries`` Tq, ``num_q_heads`` Hq, ``head_dim`` D, ``num_pages`` P,
+    ``num_kv_heads`` Hkv, ``page_size`` S, ``group_size`` G = Hq // Hkv (query head ``hq``
+    reads KV head ``hq // G``, R1), ``num_seqs`` B, ``msb``, ``topk``, ``cache_dtype``.
     """
 
     q: np.ndarray  # [Tq, Hq, D]
@@ -203,10 +212,17 @@ class KVOuterIndex:
         Edges of row ``r = t * Hkv + h`` are ``row_edges[row_ptr[r]:row_ptr[r+1]]``, in rank order.
     row_edges : ndarray [E]
         Edge ids grouped by row (the inverse view used by the combine, R15).
-    block_tables, cu_seqlens_q, used_kv_lens : ndarray
-        The validated int32 inputs the index was built from (kernels need the page map).
+    block_tables : ndarray [B, max_pages]
+    cu_seqlens_q : ndarray [B + 1]
+    used_kv_lens : ndarray [B]
+        The validated int32 inputs the index was built from (kernels need the page map);
+        ``used_kv_lens`` holds the R4 default ``msb * block_size`` when the caller passed None.
     num_queries, num_kv_heads, block_size, page_size, msb : int
+        Tq, Hkv, block size, page size S and msb of the problem.
     causal : bool
+
+    The same fields, in the same words, are the R13 table of the spec
+    (docs/spec/partials-and-combine.md).
     """
 
     edge_query: np.ndarray

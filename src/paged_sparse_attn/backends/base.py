@@ -21,12 +21,19 @@ __all__ = ["Backend"]
 class Backend(ABC):
     """Abstract backend.
 
-    Subclasses set :attr:`name`, implement :meth:`probe`, :attr:`capabilities` and
-    :meth:`forward_partials`; they may override :meth:`forward` (e.g. to keep partials on the
-    device) and :meth:`combine_partials`.
+    Subclasses set :attr:`name` (and the metadata :attr:`description`, :attr:`url`), implement
+    :meth:`probe`, :attr:`capabilities` and :meth:`forward_partials`; they may override
+    :meth:`forward` (e.g. to keep partials on the device) and :meth:`combine_partials`, and
+    implement the index branch (:meth:`block_scores`, :meth:`select_topk`) when their
+    capabilities declare ``index_branch``. Everything they return is checked by the API for
+    shape and dtype before use (``paged_sparse_attn._outputs``).
     """
 
     name: ClassVar[str] = "abstract"
+    description: ClassVar[str] = ""
+    """Plugin metadata: one line saying what the backend is and runs on."""
+    url: ClassVar[str] = ""
+    """Plugin metadata: where its documentation lives."""
 
     @classmethod
     def probe(cls) -> Availability:
@@ -65,11 +72,14 @@ class Backend(ABC):
         """Full forward: partials then combine. Returns ``(out, lse)``, float32."""
         return self.combine_partials(self.forward_partials(problem, index), index)
 
-    # Index branch (R21-R25). Backends that implement it override these.
+    # Index branch (R21-R25). Backends that declare ``index_branch`` override these; the API
+    # never calls them on a backend that does not (R18).
     def block_scores(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+        """R22: float32 ``[Tq, Hkv, msb]`` block scores of an ``IndexProblem``."""
         raise UnsupportedError(f"backend {self.name!r} does not implement block_scores [R18]")
 
     def select_topk(self, problem) -> np.ndarray:  # pragma: no cover - overridden
+        """R24: int32 ``[Tq, Hkv, topk]`` selection of a ``TopkProblem``."""
         raise UnsupportedError(f"backend {self.name!r} does not implement select_topk [R18]")
 
     def close(self) -> None:

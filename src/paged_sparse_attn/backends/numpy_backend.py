@@ -34,6 +34,7 @@ class NumpyBackend(Backend):
     """
 
     name = "numpy"
+    description = "The spec's reference backend: vectorised numpy on the CPU, float32 accumulation"
 
     @classmethod
     def probe(cls) -> Availability:
