@@ -72,7 +72,7 @@ class _State:
     """Everything the registry holds; one instance, swapped by :func:`registry_scope`."""
 
     def __init__(self, builtins: dict[str, str]):
-        self.builtins = dict(builtins)
+        self.builtins = {n: _Entry(n, t, "builtin") for n, t in builtins.items()}
         self.plugins: dict[str, _Entry] | None = None  # None: entry points not read yet
         self.runtime: dict[str, _Entry] = {}
         self.instances: dict[str, Backend] = {}
@@ -82,8 +82,7 @@ class _State:
         """Every backend, in listing order; a runtime registration replaces one of its name."""
         if self.plugins is None:
             self.plugins = _build_plugins(self.builtins)
-        found = {n: _Entry(n, t, "builtin") for n, t in self.builtins.items()}
-        found = {n: self.runtime.get(n, e) for n, e in found.items()}  # keep the position
+        found = {n: self.runtime.get(n, e) for n, e in self.builtins.items()}  # keep the position
         for n, e in self.plugins.items():
             found[n] = self.runtime.get(n, e)
         for n, e in self.runtime.items():
@@ -135,7 +134,7 @@ def _sort(eps: dict[str, Any]) -> dict[str, _Entry]:
     return {n: _Entry(n, eps[n].value, "plugin") for n in sorted(eps)}
 
 
-def _build_plugins(builtins: dict[str, str]) -> dict[str, _Entry]:
+def _build_plugins(builtins: Iterable[str]) -> dict[str, _Entry]:
     return _sort(_deduplicate(_discover(ENTRY_POINT_GROUP), builtins))
 
 
@@ -278,7 +277,7 @@ def refresh_backends() -> None:
         insts = [i for i in _state.instances.values() if id(i) not in _state.borrowed]
         _state.instances.clear()
         _state.plugins = None
-        for e in _state.runtime.values():
+        for e in [*_state.builtins.values(), *_state.runtime.values()]:
             e.factory = e.error = None
     for inst in insts:
         inst.close()
@@ -303,12 +302,12 @@ def registry_scope(*, builtins: Iterable[str] | None = None) -> Iterator[None]:
     with _lock:
         outer = _state
         inner = copy.copy(outer)
+        inner.builtins = {n: copy.copy(e) for n, e in outer.builtins.items()
+                          if builtins is None or n in set(builtins)}
         inner.runtime = {n: copy.copy(e) for n, e in outer.runtime.items()}
         inner.plugins = None if outer.plugins is None else {n: copy.copy(e) for n, e in outer.plugins.items()}
         inner.instances = dict(outer.instances)
         inner.borrowed = frozenset(id(i) for i in outer.instances.values()) | outer.borrowed
-        if builtins is not None:
-            inner.builtins = {n: t for n, t in outer.builtins.items() if n in set(builtins)}
         _state = inner
     try:
         yield
