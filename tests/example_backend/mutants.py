@@ -148,7 +148,7 @@ class BatchDependent(Correct):
         s = np.float32(scale) * (q @ kk.T)
         m = s.max(axis=1)
         p = np.exp2((s - m[:, None]) * np.float32(np.log2(np.e)))
-        return m, p.sum(axis=1), p @ vv
+        return m, p.astype(np.float64).sum(axis=1).astype(np.float32), (p.astype(np.float64) @ vv).astype(np.float32)
 
 
 class Noisy(Correct):
