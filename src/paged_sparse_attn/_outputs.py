@@ -28,7 +28,8 @@ __all__ = ["backend_label", "checked_array", "checked_out_lse", "checked_partial
 
 def backend_label(backend: Any) -> str:
     """How messages name a backend: its ``name``, plus its registry name where that differs."""
-    from .registry import registry_name  # the registry imports the backends; imported late
+    # imported late: the registry imports the backends, which import this module's users
+    from .registry import registry_name
 
     name = getattr(backend, "name", type(backend).__name__)
     reg = registry_name(backend)

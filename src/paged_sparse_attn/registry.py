@@ -24,8 +24,8 @@ import copy
 import importlib
 import threading
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ._types import Availability, DeviceArray

@@ -14,7 +14,10 @@ import dataclasses
 import numpy as np
 
 import paged_sparse_attn as psa
-from paged_sparse_attn.index_branch.numpy_impl import block_scores_numpy, select_topk_numpy
+from paged_sparse_attn.index_branch.numpy_impl import (
+    block_scores_numpy,
+    select_topk_numpy,
+)
 
 from .loop_backend import LoopBackend
 
