@@ -138,6 +138,20 @@ def test_plugin_named_like_a_builtin_is_dropped_with_a_warning(plugins):
 
 
 @pytest.mark.filterwarnings("ignore:.*built-in backend has that name:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:.*could not be imported:RuntimeWarning")
+def test_two_plugins_of_one_name_keep_one_with_a_warning(plugins):
+    info = plugins / "psa_testplug_twin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: psa-testplug-twin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[paged_sparse_attn.backends]\ngood-plugin = psa_testplug_good:GoodBackend\n")
+    psa.refresh_backends()
+    with pytest.warns(RuntimeWarning, match="several plugins declare the backend 'good-plugin'"):
+        names = list(psa.list_backends())
+    assert names.count("good-plugin") == 1
+    assert psa.get_backend("good-plugin").name == "good-plugin"
+
+
+@pytest.mark.filterwarnings("ignore:.*built-in backend has that name:RuntimeWarning")
 def test_listing_order_is_builtins_then_plugins_by_name_then_runtime(plugins):
     psa.register_backend("a-runtime", NumpyBackend)
     with pytest.warns(RuntimeWarning, match="import-error-plugin"):
