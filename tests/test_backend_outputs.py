@@ -133,6 +133,25 @@ def test_R14_forward_partials_checks_the_partials():
         psa.forward_partials(c["q"], c["k"], c["v"], index, backend=bad)
 
 
+def test_R14_the_default_forward_checks_the_partials_before_its_combine():
+    class Partial(psa.Backend):
+        name = "bad-partials"
+
+        @property
+        def capabilities(self):
+            return psa.Capabilities()
+
+        def forward_partials(self, problem, index):
+            E, G, D = index.num_edges, problem.group_size, problem.head_dim
+            return psa.Partials(np.zeros((E, G, D), np.float64), np.zeros((E, G), np.float32),
+                                np.ones((E, G), np.float32))
+
+    c = small()
+    with pytest.raises(psa.DeviceError, match=r"^forward\(\): backend 'bad-partials' returned partials.o as "
+                                              r"float64 .*\[R14\]$"):
+        psa.forward(c["q"], c["k"], c["v"], c["bt"], c["sel"], c["cu"], block_size=4, backend=Partial())
+
+
 class FakeDeviceArray(psa.DeviceArray):
     """Shape and dtype only: values live elsewhere and are not read by the checks."""
 

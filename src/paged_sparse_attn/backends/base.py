@@ -70,7 +70,12 @@ class Backend(ABC):
 
     def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
         """Full forward: partials then combine. Returns ``(out, lse)``, float32."""
-        return self.combine_partials(self.forward_partials(problem, index), index)
+        from .._outputs import checked_partials
+
+        # the partials never reach the API here: checked before the combine reads them
+        parts = checked_partials(self, "forward", self.forward_partials(problem, index), index.num_edges,
+                                 problem.group_size, problem.head_dim)
+        return self.combine_partials(parts, index)
 
     # Index branch (R21-R25). Backends that declare ``index_branch`` override these; the API
     # never calls them on a backend that does not (R18).
