@@ -111,8 +111,8 @@ class Problem:
 
     What every backend receives (the spec's backend contract lists it field by field). Index
     arrays are int32 and C-contiguous; ``q`` is a C-contiguous float32, float16 or bfloat16
-    array; the caches are numpy arrays (as passed, any strides) or :class:`DeviceArray` handles
-    of the backend. ``used_kv_lens`` always holds the lengths: the R4 default
+    array; the caches are C-contiguous numpy arrays or :class:`DeviceArray` handles of the
+    backend. ``used_kv_lens`` always holds the lengths: the R4 default
     ``msb * block_size`` is filled in when the caller passed None. ``softmax_scale`` is resolved
     (default ``1 / sqrt(D)``, R8). ``selected`` has ``topk = 0`` columns in the problem of
     ``forward_partials``, whose edges come from the index.
