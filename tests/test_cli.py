@@ -41,13 +41,10 @@ def invoke(app, args):
 
 
 @pytest.fixture
-def isolated_registry(monkeypatch):
+def isolated_registry():
     """Registrations made in a test disappear after it."""
-    monkeypatch.setattr(registry, "_registered", dict(registry._registered))
-    monkeypatch.setattr(registry, "_instances", dict(registry._instances))
-    monkeypatch.setattr(registry, "_broken", dict(registry._broken))
-    monkeypatch.setattr(registry, "_BUILTIN", dict(registry._BUILTIN))
-    return registry
+    with registry.registry_scope():
+        yield registry
 
 
 class OffBackend(NumpyBackend):
@@ -410,11 +407,11 @@ def test_run_demo_reports_unsupported_discovered_backend(isolated_registry):
             return psa.Capabilities(dtypes=("float32",))
 
     # discovery limited to numpy and this backend: the test is about the demo, not about wgpu
-    isolated_registry._BUILTIN = {"numpy": isolated_registry._BUILTIN["numpy"]}
-    psa.register_backend("f32-only", F32Only)
-    sizes = demo.DemoSizes(**{**SMALL_SIZES.__dict__, "dtype": "float16"})
-    rep = demo.run_demo(sizes, repeat=0)
-    status = {r.name: r.status for r in rep.results}
-    assert status["f32-only"] == "unsupported" and rep.ok  # found by discovery: not a failure
-    rep = demo.run_demo(sizes, backends=["f32-only"], repeat=0)
-    assert rep.results[0].status == "error" and not rep.ok  # asked for by name: must run it
+    with isolated_registry.registry_scope(builtins=("numpy",)):
+        psa.register_backend("f32-only", F32Only)
+        sizes = demo.DemoSizes(**{**SMALL_SIZES.__dict__, "dtype": "float16"})
+        rep = demo.run_demo(sizes, repeat=0)
+        status = {r.name: r.status for r in rep.results}
+        assert status["f32-only"] == "unsupported" and rep.ok  # found by discovery: not a failure
+        rep = demo.run_demo(sizes, backends=["f32-only"], repeat=0)
+        assert rep.results[0].status == "error" and not rep.ok  # asked for by name: must run it

@@ -103,13 +103,10 @@ def isolated(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    saved = (dict(registry._registered), dict(registry._instances), dict(registry._broken))
     opts = np.get_printoptions()
-    yield
+    with registry.registry_scope():
+        yield
     np.set_printoptions(**opts)
-    for live, old in zip((registry._registered, registry._instances, registry._broken), saved):
-        live.clear()
-        live.update(old)
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])

@@ -75,22 +75,20 @@ def write_distribution(root: Path) -> Path:
 
 
 @pytest.fixture
-def isolated_registry(monkeypatch):
+def isolated_registry():
     """Registrations made in a test disappear after it."""
-    monkeypatch.setattr(registry, "_registered", dict(registry._registered))
-    monkeypatch.setattr(registry, "_instances", dict(registry._instances))
-    monkeypatch.setattr(registry, "_broken", dict(registry._broken))
-    return registry
+    with registry.registry_scope():
+        yield registry
 
 
 @pytest.fixture
 def plugins(tmp_path, monkeypatch, isolated_registry):
-    """The throwaway distribution on sys.path, and a registry that has not read entry points yet."""
+    """The throwaway distribution on sys.path, and a registry that reads the entry points afresh."""
     root = write_distribution(tmp_path)
     monkeypatch.syspath_prepend(str(root))  # also invalidates the import caches
-    monkeypatch.setattr(registry, "_plugins_loaded", False)
     for name in PLUGIN_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
+    psa.refresh_backends()
     yield root
     for name in PLUGIN_MODULES:
         sys.modules.pop(name, None)
@@ -111,6 +109,7 @@ def small_problem(seed=0, dtype=np.float32):
 # ---------------------------------------------------------------------------- entry points
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_list_backends_shows_plugins_and_why_broken_ones_fail_R18(plugins):
     found = psa.list_backends()
     assert {"numpy", "good-plugin", "import-error-plugin", "factory-error-plugin"} <= set(found)
@@ -121,18 +120,70 @@ def test_list_backends_shows_plugins_and_why_broken_ones_fail_R18(plugins):
     assert not bad_factory.ok and "no device for the plugin here" in bad_factory.reason
 
 
-def test_entry_points_are_read_lazily(plugins):
-    assert registry._plugins_loaded is False
-    assert "good-plugin" not in registry._registered
-    psa.list_backends()
-    assert registry._registered["good-plugin"] == "psa_testplug_good:GoodBackend"
+def test_plugins_are_imported_lazily(plugins):
+    assert not any(m.startswith("psa_testplug") for m in sys.modules)
+    with pytest.warns(RuntimeWarning):  # the shadowing plugin (built-ins win)
+        psa.register_backend("t-lazy", NumpyBackend)  # reads the entry points, imports none
+    assert not any(m.startswith("psa_testplug") for m in sys.modules)
+    assert psa.get_backend("good-plugin").name == "good-plugin"
+    assert "psa_testplug_good" in sys.modules and "psa_testplug_import_error" not in sys.modules
 
 
-def test_plugin_cannot_shadow_a_builtin(plugins):
-    psa.list_backends()
+@pytest.mark.filterwarnings("ignore:.*could not be imported:RuntimeWarning")
+def test_plugin_named_like_a_builtin_is_dropped_with_a_warning(plugins):
+    with pytest.warns(RuntimeWarning, match=r"plugin backend 'numpy' \(psa_testplug_good:GoodBackend.*built-in"):
+        names = list(psa.list_backends())
     assert type(psa.get_backend("numpy")) is NumpyBackend
+    assert names.count("numpy") == 1
 
 
+@pytest.mark.filterwarnings("ignore:.*built-in backend has that name:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:.*could not be imported:RuntimeWarning")
+def test_two_plugins_of_one_name_keep_one_with_a_warning(plugins):
+    info = plugins / "psa_testplug_twin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: psa-testplug-twin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[paged_sparse_attn.backends]\ngood-plugin = psa_testplug_good:GoodBackend\n")
+    psa.refresh_backends()
+    with pytest.warns(RuntimeWarning, match="several plugins declare the backend 'good-plugin'"):
+        names = list(psa.list_backends())
+    assert names.count("good-plugin") == 1
+    assert psa.get_backend("good-plugin").name == "good-plugin"
+
+
+@pytest.mark.filterwarnings("ignore:.*built-in backend has that name:RuntimeWarning")
+def test_listing_order_is_builtins_then_plugins_by_name_then_runtime(plugins):
+    psa.register_backend("a-runtime", NumpyBackend)
+    with pytest.warns(RuntimeWarning, match="import-error-plugin"):
+        names = list(psa.list_backends())
+    assert names == ["numpy", "wgpu", "factory-error-plugin", "good-plugin", "import-error-plugin", "a-runtime"]
+
+
+@pytest.mark.filterwarnings("ignore:.*built-in backend has that name:RuntimeWarning")
+def test_plugin_that_fails_to_import_warns_once_and_is_listed_unavailable_R18(plugins):
+    with pytest.warns(RuntimeWarning, match="'import-error-plugin'.*boom while importing") as rec:
+        first = psa.list_backends()["import-error-plugin"]
+    assert sum("import-error-plugin" in str(w.message) for w in rec) == 1
+    assert not first.ok and "boom while importing the plugin" in first.reason
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failure is remembered: no second import, no second warning
+        assert psa.list_backends()["import-error-plugin"] == first
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_refresh_backends_reads_a_fixed_plugin_again(plugins):
+    assert not psa.list_backends()["import-error-plugin"].ok
+    (plugins / "psa_testplug_import_error.py").write_text(
+        "from psa_testplug_good import GoodBackend as Backend\n")
+    sys.modules.pop("psa_testplug_import_error", None)
+    assert not psa.list_backends()["import-error-plugin"].ok  # remembered until a refresh
+    psa.refresh_backends()
+    assert psa.list_backends()["import-error-plugin"].ok
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_good_plugin_runs_forward(plugins):
     args, kw = small_problem()
     out = psa.forward(*args, **kw, backend="good-plugin")
@@ -143,6 +194,7 @@ def test_good_plugin_runs_forward(plugins):
     np.testing.assert_array_equal(out, psa.forward(*args, **kw, backend="numpy"))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("name, why", [("import-error-plugin", "boom while importing the plugin"),
                                        ("factory-error-plugin", "no device for the plugin here")])
 def test_broken_plugin_is_unavailable_with_reason_R18(plugins, name, why):
@@ -155,6 +207,7 @@ def test_broken_plugin_is_unavailable_with_reason_R18(plugins, name, why):
     assert psa.forward(*args, **kw).shape == (5, 4, 8)  # the other backends are unaffected
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_cli_backends_lists_plugins(plugins):
     typer_testing = pytest.importorskip("typer.testing")
     from paged_sparse_attn import cli
@@ -184,6 +237,64 @@ def test_broken_plugin_never_breaks_import_in_a_fresh_process(tmp_path):
     assert found["numpy"][0] and found["good-plugin"][0]
     assert not found["import-error-plugin"][0] and "boom" in found["import-error-plugin"][1]
     assert not found["factory-error-plugin"][0]
+
+
+# ------------------------------------------------------------------- probes of factories
+
+
+class Unavailable(NumpyBackend):
+    name = "t-unavailable"
+
+    @classmethod
+    def probe(cls):
+        return psa.Availability(False, "needs a device this machine does not have")
+
+
+def make_unavailable():
+    """A plain factory: it has no probe of its own, the backend it builds says no."""
+    return Unavailable()
+
+
+@pytest.mark.parametrize("factory", [Unavailable, make_unavailable], ids=["class", "function"])
+def test_R18_a_factory_whose_backend_probes_unavailable_is_listed_and_refused(isolated_registry, factory):
+    psa.register_backend("t-off", factory)
+    got = psa.list_backends()["t-off"]
+    assert not got.ok and "needs a device" in got.reason
+    with pytest.raises(psa.BackendUnavailableError, match=r"unavailable: needs a device .*\[R18\]"):
+        psa.get_backend("t-off")
+    args, kw = small_problem()
+    with pytest.raises(psa.BackendUnavailableError, match="needs a device"):
+        psa.forward(*args, **kw, backend="t-off")
+
+
+def test_R18_messages_name_a_backend_by_its_name_and_its_registry_name(isolated_registry):
+    class F32Only(NumpyBackend):
+        name = "f32-only"
+
+        @property
+        def capabilities(self):
+            return psa.Capabilities(dtypes=("float32",))
+
+    psa.register_backend("t-registered-name", F32Only)
+    args, kw = small_problem(dtype=np.float16)
+    with pytest.raises(psa.UnsupportedError) as info:
+        psa.forward(*args, **kw, backend="t-registered-name")
+    assert "backend 'f32-only' (registered as 't-registered-name')" in str(info.value)
+    with pytest.raises(psa.UnsupportedError) as info:
+        psa.forward(*args, **kw, backend=F32Only())  # not built by the registry: its name alone
+    assert "backend 'f32-only' cannot" in str(info.value)
+
+
+def test_a_module_factory_backend_whose_probe_says_no_is_refused_R18(isolated_registry):
+    spec = "example_backend.loop_backend:make_unavailable"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        assert not psa.list_backends().get(spec, psa.Availability(False, "")).ok
+        with pytest.raises(psa.BackendUnavailableError, match="needs a device this machine does not have"):
+            psa.get_backend(spec)
+        assert spec not in psa.list_backends()  # registered only once it is known to work
+    finally:
+        sys.path.remove(str(Path(__file__).resolve().parent))
 
 
 # ----------------------------------------------------------------------------- use_backend

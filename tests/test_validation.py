@@ -327,11 +327,8 @@ def test_import_does_not_import_wgpu():
 @pytest.fixture
 def clean_registry():
     """Undo registrations made by a test (the registry is process-global)."""
-    saved = (dict(registry._registered), dict(registry._instances), dict(registry._broken))
-    yield
-    for live, old in zip((registry._registered, registry._instances, registry._broken), saved):
-        live.clear()
-        live.update(old)
+    with registry.registry_scope():
+        yield
 
 
 def test_R18_list_backends_never_raises_and_reports_numpy(clean_registry):

@@ -19,7 +19,8 @@ from .errors import (
     UnsupportedError,
 )
 from .reference import dense_reference, lse_from_base2, lse_to_base2, merge_states
-from .registry import get_backend, list_backends, register_backend, unregister_backend, use_backend
+from .registry import (get_backend, list_backends, refresh_backends, register_backend, unregister_backend,
+                       use_backend)
 from .index_branch import block_scores, select_topk, sparse_attention
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ __all__ = [
     "register_backend",
     "unregister_backend",
     "use_backend",
+    "refresh_backends",
     "Backend",
     "Availability",
     "Capabilities",

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ._index import build_index_arrays
+from ._outputs import backend_label, checked_out_lse, checked_partials
 from ._types import Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
 from ._validation import (
     check_float_array,
@@ -42,7 +43,7 @@ def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...
     if device_arrays and not caps.device_arrays:
         why = "it does not accept device-resident arrays"
     if why:
-        raise UnsupportedError(f"{fn}(): backend {backend.name!r} cannot run this problem: {why} [R18]")
+        raise UnsupportedError(f"{fn}(): backend {backend_label(backend)} cannot run this problem: {why} [R18]")
 
 
 def check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
@@ -53,7 +54,7 @@ def check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
             dev = True
             if a.backend is not backend:
                 raise UnsupportedError(
-                    f"{fn}(): a device array of {a.backend!r} was passed to backend {backend.name!r}; "
+                    f"{fn}(): a device array of {a.backend!r} was passed to backend {backend_label(backend)}; "
                     "use the backend that holds it or pass host arrays [R18]")
     return dev
 
@@ -129,11 +130,12 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
         from ._attention_plan import cached_plan
         from ._layout import layout_of
 
-        out, lse = cached_plan(layout_of(p), be)._runtime.run(p.q, p.k_cache, p.v_cache, p.selected)
+        out, lse = checked_out_lse(be, "forward", cached_plan(layout_of(p), be)._runtime.run(
+            p.q, p.k_cache, p.v_cache, p.selected), p.q.shape)
         return (out, lse) if return_lse else out
     index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
                                block_size=p.block_size, page_size=p.page_size, causal=p.causal)
-    out, lse = be.forward(p, index)
+    out, lse = checked_out_lse(be, "forward", be.forward(p, index), p.q.shape)
     return (out, lse) if return_lse else out
 
 
@@ -203,7 +205,7 @@ def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, backend=
                 index.cu_seqlens_q, index.used_kv_lens, index.block_size, scale, index.causal)
     be = resolve_backend(backend, k_cache, v_cache)
     _run_checks(be, fn, p)
-    return be.forward_partials(p, index)
+    return checked_partials(be, fn, be.forward_partials(p, index), index.num_edges, p.group_size, p.head_dim)
 
 
 def combine_partials(partials, index) -> tuple[np.ndarray, np.ndarray]:

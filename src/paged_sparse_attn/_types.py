@@ -56,7 +56,13 @@ class Capabilities:
         Whether the backend accepts device-resident caches
         ([`DeviceArray`][paged_sparse_attn.DeviceArray]).
     deterministic : bool
-        Same bits for the same inputs on the same device (R19).
+        Same bits for the same inputs on the same device, run after run (R19).
+    batch_invariant : bool
+        The bits of every output row depend only on that row's own inputs, not on the other
+        sequences of the batch, their number or order, or the kernel chosen for the batch (R27).
+    index_branch : bool
+        The backend implements ``block_scores`` and ``select_topk`` (R21-R25); the API refuses
+        the index branch on a backend without it (R18).
     features : frozenset of str
         Device features that matter (``"shader-f16"``, ``"subgroup"``, ``"timestamp-query"``).
     limits : mapping
@@ -71,6 +77,8 @@ class Capabilities:
     max_block_size: int | None = None
     device_arrays: bool = False
     deterministic: bool = True
+    batch_invariant: bool = False
+    index_branch: bool = False
     features: frozenset[str] = frozenset()
     limits: Mapping[str, int] = field(default_factory=dict)
     device: str = "cpu"
@@ -106,8 +114,12 @@ class Problem:
 
     What a backend's [`forward_partials`][paged_sparse_attn.Backend.forward_partials] receives.
     Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float32 array (widened
-    exactly from any R7 dtype, R7), the caches are numpy arrays of an R7 dtype or
-    [`DeviceArray`][paged_sparse_attn.DeviceArray] handles.
+    exactly from any R7 dtype, R7), the caches are C-contiguous numpy arrays of an R7 dtype or
+    [`DeviceArray`][paged_sparse_attn.DeviceArray] handles of the backend. ``selected`` has
+    ``topk = 0`` columns in the problem of ``forward_partials``, whose edges come from the index.
+    Derived sizes: ``num_queries`` Tq, ``num_q_heads`` Hq, ``head_dim`` D, ``num_pages`` P,
+    ``num_kv_heads`` Hkv, ``page_size`` S, ``group_size`` G = Hq // Hkv (query head ``hq`` reads
+    KV head ``hq // G``, R1), ``num_seqs`` B, ``msb``, ``topk``, ``cache_dtype``.
 
     Attributes
     ----------
@@ -218,10 +230,17 @@ class KVOuterIndex:
         Edges of row ``r = t * Hkv + h`` are ``row_edges[row_ptr[r]:row_ptr[r+1]]``, in rank order.
     row_edges : ndarray [E]
         Edge ids grouped by row (the inverse view used by the combine, R15).
-    block_tables, cu_seqlens_q, used_kv_lens : ndarray
-        The validated int32 inputs the index was built from (kernels need the page map).
+    block_tables : ndarray [B, max_pages]
+    cu_seqlens_q : ndarray [B + 1]
+    used_kv_lens : ndarray [B]
+        The validated int32 inputs the index was built from (kernels need the page map);
+        ``used_kv_lens`` holds the R4 default ``msb * block_size`` when the caller passed None.
     num_queries, num_kv_heads, block_size, page_size, msb : int
+        Tq, Hkv, block size, page size S and msb of the problem.
     causal : bool
+
+    The same fields, in the same words, are the R13 table of the spec
+    (docs/spec/partials-and-combine.md).
     """
 
     edge_query: np.ndarray

@@ -46,7 +46,9 @@ class BackendUnavailableError(PagedSparseAttnError, RuntimeError):
 
 
 class DeviceError(PagedSparseAttnError, RuntimeError):
-    """A device-side failure (validation error, out of memory, device lost) with its context.
+    """A device-side failure (validation error, out of memory, device lost) with its context,
+    or a backend result that breaks the backend contract (wrong shape or dtype, a selection
+    that breaks R6), found by the API before the result is used.
 
     The message names the kernel or operation and the sizes involved. The backend that raised it
     can be used again afterwards (it acquires a new device if the old one was lost).

@@ -15,7 +15,7 @@ import numpy as np
 
 import paged_sparse_attn as psa
 
-__all__ = ["LoopBackend", "CausalBlindLoopBackend", "UnavailableBackend"]
+__all__ = ["LoopBackend", "CausalBlindLoopBackend", "UnavailableBackend", "make_unavailable"]
 
 
 # --8<-- [start:loop]
@@ -82,3 +82,8 @@ class UnavailableBackend(LoopBackend):
     @classmethod
     def probe(cls) -> psa.Availability:
         return psa.Availability(False, "needs a device this machine does not have")
+
+
+def make_unavailable() -> psa.Backend:
+    """A plain factory function (no probe of its own) building a backend whose probe says no."""
+    return UnavailableBackend()

@@ -1,24 +1,45 @@
 """Deliberately broken backends, one bug each: the property suite must fail every one of them.
 
-``Correct`` is the same per-edge algorithm without a bug (it passes the whole kit); each other
-class changes one step the way real kernels get it wrong.
+``Correct`` is the same per-edge algorithm without a bug (it passes the whole kit, index branch
+and batch invariance included); each other class changes one step the way real kernels get it
+wrong. ``MUTANTS`` break the attention rules; ``CONTRACT_MUTANTS`` break the backend contract
+(R15 through the backend's own combine, R19, R22, R24, R27, and the R6 check of what a backend
+returns), each with the tests that must catch it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 import paged_sparse_attn as psa
+from paged_sparse_attn.index_branch.numpy_impl import (
+    block_scores_numpy,
+    select_topk_numpy,
+)
 
 from .loop_backend import LoopBackend
 
-__all__ = ["Correct", "MUTANTS"]
+__all__ = ["Correct", "MUTANTS", "CONTRACT_MUTANTS"]
 
 
 class Correct(LoopBackend):
     """Per-edge partials with overridable steps."""
 
     name = "mutant-base"
+
+    @property
+    def capabilities(self) -> psa.Capabilities:
+        # per-edge loops: a row's bits depend on its own edges only (R27)
+        return psa.Capabilities(dtypes=("float32", "float16"), max_head_dim=64, deterministic=True,
+                                batch_invariant=True, index_branch=True, device="cpu (loops)")
+
+    def block_scores(self, problem):
+        return block_scores_numpy(problem)
+
+    def select_topk(self, problem):
+        return select_topk_numpy(problem)
 
     def positions(self, index, e):
         """Attended logical positions of the edge and their physical pages."""
@@ -117,5 +138,95 @@ class Float16Scores(Correct):
         return m, p.sum(axis=1), p @ vv
 
 
+class BatchDependent(Correct):
+    """Takes another exp for a batch than for a single sequence: same tolerance, other bits (R27)."""
+
+    def forward_partials(self, problem, index):
+        self.batched = problem.num_seqs > 1
+        return super().forward_partials(problem, index)
+
+    def partial(self, q, kk, vv, scale):
+        if not self.batched:
+            return super().partial(q, kk, vv, scale)
+        s = np.float32(scale) * (q @ kk.T)
+        m = s.max(axis=1)
+        p = np.exp2((s - m[:, None]) * np.float32(np.log2(np.e)))
+        return m, p.astype(np.float64).sum(axis=1).astype(np.float32), (p.astype(np.float64) @ vv).astype(np.float32)
+
+
+class Noisy(Correct):
+    """Declares itself non-deterministic and adds run-to-run noise far beyond R20 (breaks R19)."""
+
+    @property
+    def capabilities(self):
+        return dataclasses.replace(super().capabilities, deterministic=False, batch_invariant=False)
+
+    def partial(self, q, kk, vv, scale):
+        m, l, o = super().partial(q, kk, vv, scale)
+        return m, l, o * np.float32(1 + 1e-2 * np.random.default_rng().standard_normal())
+
+
+class OwnCombineBase2(Correct):
+    """Its forward is right, but its own combine_partials returns a base-2 lse (breaks R15)."""
+
+    def forward(self, problem, index):
+        from paged_sparse_attn._combine import combine_partials_numpy
+
+        return combine_partials_numpy(self.forward_partials(problem, index), index)
+
+    def combine_partials(self, partials, index):
+        from paged_sparse_attn._combine import combine_partials_numpy
+
+        out, lse = combine_partials_numpy(partials, index)
+        return out, (lse / np.float32(np.log(2.0))).astype(np.float32)
+
+
+class ScoresIgnoreCausal(Correct):
+    """Block scores see the causal future (breaks R22)."""
+
+    def block_scores(self, problem):
+        ends = problem.used_kv_lens[problem.query_seq].astype(np.int32)
+        return block_scores_numpy(dataclasses.replace(problem, causal=False, query_end=ends))
+
+
+class TiesToHigherId(Correct):
+    """Equal scores ranked by descending block id (breaks R24); the local block stays first."""
+
+    def select_topk(self, problem):
+        Tq, Hkv, msb = problem.scores.shape
+        out = np.full((Tq, Hkv, problem.topk), -1, np.int32)
+        for t in range(Tq):
+            local = int(problem.local_block[t])
+            for h in range(Hkv):
+                row = [float(x) for x in problem.scores[t, h]]
+                ranked = sorted((s for s in range(msb) if s != local and row[s] > -np.inf),
+                                key=lambda s: (-row[s], -s))
+                chosen = (([local] if local >= 0 else []) + ranked)[:problem.topk]
+                out[t, h, :len(chosen)] = chosen
+        return out
+
+
+class RepeatsLocalBlock(Correct):
+    """Fills a free slot with the local block again: a duplicate id (the API's R6 check)."""
+
+    def select_topk(self, problem):
+        sel = select_topk_numpy(problem).copy()
+        if sel.shape[2] > 1:
+            free = (sel[..., 1] == -1) & (sel[..., 0] >= 0)
+            sel[..., 1] = np.where(free, sel[..., 0], sel[..., 1])
+        return sel
+
+
 MUTANTS = ("FiniteSentinel", "ReadsUnmappedPages", "IgnoresKVLength", "WrongHeadGrouping", "NoRunningMax",
            "Base2Max", "Float16Scores")
+
+
+CONTRACT_MUTANTS = {
+    "BatchDependent": "R27",
+    "Noisy": "R19",
+    "OwnCombineBase2": "R15_the_backends_own_combine",
+    "ScoresIgnoreCausal": "R22",
+    "TiesToHigherId": "R24",
+    "RepeatsLocalBlock": "R24 or R25",
+}
+"""Mutant -> the ``-k`` expression of the kit tests that must fail it."""

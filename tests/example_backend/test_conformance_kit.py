@@ -73,6 +73,31 @@ def test_the_suite_fails_every_mutant_and_passes_its_correct_base(tmp_path):
     assert not missed, f"the suite did not catch {missed}\n{_tail(proc)}"
 
 
+def test_the_kit_fails_every_contract_mutant_in_the_test_of_its_rule(tmp_path):
+    from example_backend.mutants import CONTRACT_MUTANTS
+
+    specs = {f"example_backend.mutants:{name}": expr for name, expr in CONTRACT_MUTANTS.items()}
+    args = [a for spec in ["example_backend.mutants:Correct", *specs] for a in ("--backend", spec)]
+    every = " or ".join(dict.fromkeys(e for expr in specs.values() for e in expr.split(" or ")))
+    proc = _pytest(*args, "-k", every, "-p", "example_backend.hunt_profile", "--hypothesis-profile", "hunt",
+                   "-q", "-rf", "-p", "no:warnings", cwd=tmp_path, timeout=600)
+    # "FAILED file::test[param]", followed by " - message" in some terminals (always under CI)
+    failed = [line.split("::", 1)[1].split(" - ", 1)[0] for line in proc.stdout.splitlines()
+              if line.startswith("FAILED")]
+    assert not [f for f in failed if ":Correct]" in f], _tail(proc)
+    for spec, expr in specs.items():
+        caught = [f for f in failed if f.endswith(f"[{spec}]") and any(k in f for k in expr.split(" or "))]
+        assert caught, f"no test of {expr} failed {spec}\n{_tail(proc)}"
+
+
+def test_a_factory_whose_backend_probes_unavailable_is_skipped_not_run(tmp_path):
+    spec = "example_backend.loop_backend:make_unavailable"
+    proc = _pytest("--backend", spec, "-k", "R18", "-rs", cwd=tmp_path)
+    assert proc.returncode == 0, _tail(proc)
+    assert "needs a device this machine does not have" in proc.stdout and " passed" not in proc.stdout, _tail(proc)
+    assert f"  {spec}: unavailable" in proc.stdout, _tail(proc)
+
+
 def test_required_backend_that_is_unavailable_is_an_error_not_a_skip(tmp_path):
     proc = _pytest("--require-backend", UNAVAILABLE, "-k", "R18 and UnavailableBackend", "-rsE", cwd=tmp_path)
     assert proc.returncode == 1, _tail(proc)

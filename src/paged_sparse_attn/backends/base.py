@@ -31,10 +31,16 @@ class Backend(ABC):
     [`combine_partials`][paged_sparse_attn.Backend.combine_partials]. A backend that runs the
     index branch (R21-R25) overrides [`block_scores`][paged_sparse_attn.Backend.block_scores] and
     [`select_topk`][paged_sparse_attn.Backend.select_topk].
+    Everything a backend returns is checked by the API for shape and dtype before use
+    (``paged_sparse_attn._outputs``).
     """
 
     name: ClassVar[str] = "abstract"
     """The name the backend is registered and chosen by (``backend="numpy"``)."""
+    description: ClassVar[str] = ""
+    """Plugin metadata: one line saying what the backend is and runs on."""
+    url: ClassVar[str] = ""
+    """Plugin metadata: where its documentation lives."""
 
     @classmethod
     def probe(cls) -> Availability:
@@ -71,9 +77,15 @@ class Backend(ABC):
 
     def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
         """Full forward: partials then combine. Returns ``(out, lse)``, float32."""
-        return self.combine_partials(self.forward_partials(problem, index), index)
+        from .._outputs import checked_partials
 
-    # Index branch (R21-R25). Backends that implement it override these.
+        # the partials never reach the API here: checked before the combine reads them
+        parts = checked_partials(self, "forward", self.forward_partials(problem, index), index.num_edges,
+                                 problem.group_size, problem.head_dim)
+        return self.combine_partials(parts, index)
+
+    # Index branch (R21-R25). Backends that declare ``index_branch`` override these; the API
+    # never calls them on a backend that does not (R18).
     def block_scores(self, problem: IndexProblem) -> np.ndarray:
         """Score every block for every (query, KV head) (R22).
 

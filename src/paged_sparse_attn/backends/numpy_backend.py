@@ -1,9 +1,10 @@
 """The numpy backend: the KV-outer algorithm (R13-R15), vectorised.
 
-Slot groups (all edges of one (KV head, block)) are sorted by their edge count and cut into
-chunks padded to the largest count of the chunk; a chunk is processed with batched matmuls: the
-block's K/V is gathered once per slot group and multiplied against the queries of all its edges
-and all G heads of the group.
+Slot groups (all edges of one (KV head, block)) are padded to the next power of two of their
+edge count and cut into chunks of one padded count; a chunk is processed with batched matmuls:
+the block's K/V is gathered once per slot group and multiplied against the queries of all its
+edges and all G heads of the group. Every matmul's shape depends on one slot's own sequence
+only, so a row's bits do not depend on the rest of the batch (R27).
 
 Scores and partials accumulate in float32 (BLAS sgemm); float16/bfloat16 caches are converted to
 float32 after the gather (exact). Masked positions are removed with ``where`` before the softmax;
@@ -34,6 +35,7 @@ class NumpyBackend(Backend):
     """
 
     name = "numpy"
+    description = "The spec's reference backend: vectorised numpy on the CPU, float32 accumulation"
 
     @classmethod
     def probe(cls) -> Availability:
@@ -45,6 +47,8 @@ class NumpyBackend(Backend):
             dtypes=tuple(d.name for d in FLOAT_DTYPES),
             device_arrays=False,
             deterministic=True,
+            batch_invariant=True,
+            index_branch=True,
             device="cpu (numpy)",
         )
 
@@ -86,18 +90,23 @@ class NumpyBackend(Backend):
 
 
 def _chunks(counts: np.ndarray, G: int, BS: int, D: int) -> list[tuple[int, np.ndarray]]:
-    """Slot ids sorted by edge count (descending), cut into chunks of bounded size.
+    """Slot ids grouped by their padded edge count, cut into chunks of bounded size.
 
-    Each chunk is padded to the edge count of its first (largest) slot; sorting keeps the
-    padding small. Returns ``[(n_max, slot_ids)]``.
+    A slot's edges are padded to the next power of two of its own edge count, and a chunk holds
+    slots of one padded count only: each slot's matmuls then have a shape that depends on its
+    own sequence alone. BLAS may pick its kernel by the shape, so a shape set by the other
+    sequences of the batch could change a row's bits (R27); powers of two keep the padding below
+    2x and the number of chunks small. Returns ``[(n_padded, slot_ids)]``.
     """
-    order = np.argsort(-counts, kind="stable")
-    out, i = [], 0
-    while i < order.shape[0]:
-        n_max = int(counts[order[i]])
-        step = max(1, _CHUNK_ELEMS // max(1, n_max * G * max(BS, D)))
-        out.append((n_max, order[i:i + step]))
-        i += step
+    padded = np.where(counts > 1, 1 << np.ceil(np.log2(np.maximum(counts, 1))).astype(np.int64), 1)
+    order = np.argsort(-padded, kind="stable")
+    sorted_pad = padded[order]
+    starts = np.flatnonzero(np.diff(sorted_pad, prepend=-1))  # where the padded count changes
+    out = []
+    for a, z in zip(starts, [*starts[1:], order.shape[0]]):
+        n = int(sorted_pad[a])
+        step = max(1, _CHUNK_ELEMS // max(1, n * G * max(BS, D)))
+        out.extend((n, order[i:min(i + step, z)]) for i in range(a, z, step))
     return out
 
 

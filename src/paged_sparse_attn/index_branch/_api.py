@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
@@ -12,10 +11,11 @@ from .._attention_plan import cached_plan
 from .._layout import layout_of, validate_layout
 from .._types import DeviceArray
 from .._index import build_index_arrays
+from .._outputs import backend_label, checked_out_lse, checked_scores, checked_selection
 
 from .._validation import check_float_array, validate_forward
 from ..backends.base import Backend
-from ..errors import DeviceError
+from ..errors import UnsupportedError
 from ..registry import resolve_backend
 from ._types import IndexProblem, TopkProblem
 from ._validation import check_topk, local_blocks, validate_block_scores, validate_select_topk
@@ -23,34 +23,19 @@ from ._validation import check_topk, local_blocks, validate_block_scores, valida
 __all__ = ["block_scores", "select_topk", "sparse_attention"]
 
 
+def _has_index_branch(backend: Backend, fn: str) -> None:
+    """R18: the index branch runs only on a backend whose capabilities declare it."""
+    if not backend.capabilities.index_branch:
+        raise UnsupportedError(f"{fn}(): backend {backend_label(backend)} does not implement the index branch "
+                               "(block_scores, select_topk): its capabilities say index_branch=False [R18]")
+
+
 def _index_checks(backend: Backend, fn: str, p: IndexProblem) -> None:
+    _has_index_branch(backend, fn)
     dev = check_owner(backend, fn, p.index_k_cache)
     check_capabilities(backend, fn, dtypes=(np.dtype(p.index_k_cache.dtype),),  # queries are widened exactly
                        head_dim=p.index_dim, page_size=p.page_size, block_size=p.block_size,
                        device_arrays=dev)
-
-
-def _checked_scores(backend: Backend, fn: str, scores: Any, p: IndexProblem) -> np.ndarray:
-    """A backend's block scores, checked for shape and dtype before they are ranked."""
-    want = (p.num_queries, p.num_kv_heads, p.msb)
-    s = np.asarray(scores)
-    if s.shape != want or s.dtype != np.float32:
-        raise DeviceError(f"{fn}(): backend {backend.name!r} returned block scores {s.dtype.name} "
-                          f"{s.shape}, expected float32 {want} (a backend bug)")
-    return s
-
-
-def _checked_selection(backend: Backend, fn: str, selected: Any, p: TopkProblem) -> np.ndarray:
-    """A backend's selection, checked (shape, dtype, id range) so it can never index out of bounds."""
-    want = (p.num_queries, p.num_kv_heads, p.topk)
-    s = np.asarray(selected)
-    bad = s.shape != want or s.dtype != np.int32
-    if not bad and s.size:
-        bad = int(s.min()) < -1 or int(s.max()) >= p.msb
-    if bad:
-        raise DeviceError(f"{fn}(): backend {backend.name!r} returned a selection {s.dtype.name} "
-                          f"{s.shape} outside int32 {want} with ids in [-1, {p.msb}) (a backend bug)")
-    return s
 
 
 def block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
@@ -97,7 +82,7 @@ def block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_len
                               block_size=block_size, softmax_scale=softmax_scale, causal=causal)
     be = resolve_backend(backend, p.index_k_cache)
     _index_checks(be, fn, p)
-    return _checked_scores(be, fn, be.block_scores(p), p)
+    return checked_scores(be, fn, be.block_scores(p), (p.num_queries, p.num_kv_heads, p.msb))
 
 
 def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_lens=None, block_size=None,
@@ -137,7 +122,8 @@ def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_le
     p = validate_select_topk(fn, scores, topk, force_local=force_local, cu_seqlens_q=cu_seqlens_q,
                              used_kv_lens=used_kv_lens, block_size=block_size)
     be = resolve_backend(backend)
-    return _checked_selection(be, fn, be.select_topk(p), p)
+    _has_index_branch(be, fn)
+    return checked_selection(be, fn, be.select_topk(p), (p.num_queries, p.num_kv_heads, p.topk), p.msb)
 
 
 def _sparse_planned(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q, *, used_kv_lens,
@@ -222,14 +208,15 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     if be.plans_forward(p) and isinstance(ip.index_k_cache, DeviceArray):  # one submission per layer (R32)
         lay = dataclasses.replace(layout_of(p), topk=k, index_dim=ip.index_dim, num_index_heads=ip.num_index_heads,
                                   index_dtype=np.dtype(ip.index_k_cache.dtype))
-        out, lse = cached_plan(lay, be)._runtime.run_sparse(p.q, p.k_cache, p.v_cache, ip.index_q, ip.index_k_cache)
+        out, lse = checked_out_lse(be, fn, cached_plan(lay, be)._runtime.run_sparse(
+            p.q, p.k_cache, p.v_cache, ip.index_q, ip.index_k_cache), p.q.shape)
         return (out, lse) if return_lse else out
-    scores = _checked_scores(be, fn, be.block_scores(ip), ip)
+    scores = checked_scores(be, fn, be.block_scores(ip), (ip.num_queries, ip.num_kv_heads, ip.msb))
     tp = TopkProblem(scores=scores, topk=k, force_local=True,
                      local_block=local_blocks(p.cu_seqlens_q, p.used_kv_lens, p.block_size))
-    selected = _checked_selection(be, fn, be.select_topk(tp), tp)
+    selected = checked_selection(be, fn, be.select_topk(tp), (tp.num_queries, tp.num_kv_heads, tp.topk), tp.msb)
     p = dataclasses.replace(p, selected=selected)
     index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
                                block_size=p.block_size, page_size=p.page_size, causal=p.causal)
-    out, lse = be.forward(p, index)
+    out, lse = checked_out_lse(be, fn, be.forward(p, index), p.q.shape)
     return (out, lse) if return_lse else out

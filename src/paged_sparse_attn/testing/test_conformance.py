@@ -27,6 +27,13 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import paged_sparse_attn as psa
 from paged_sparse_attn._validation import FLOAT_DTYPES
+from paged_sparse_attn.index_branch import (
+    block_scores,
+    block_scores_reference,
+    select_topk,
+    select_topk_reference,
+    sparse_attention,
+)
 from paged_sparse_attn.testing import oracle
 from paged_sparse_attn.testing import strategies as pst
 from paged_sparse_attn.testing.assertions import (
@@ -62,7 +69,7 @@ def _no_backend_work(backend):
         return call
 
     patched = []
-    for name in ("forward", "forward_partials", "combine_partials"):
+    for name in ("forward", "forward_partials", "combine_partials", "block_scores", "select_topk"):
         try:
             setattr(backend, name, trap(name))
             patched.append(name)
@@ -109,44 +116,73 @@ def test_R20_agrees_with_numpy_backend(backend, data):
 
 
 @given(data=st.data())
-def test_R19_same_inputs_same_bits(backend, data):
-    if not backend.capabilities.deterministic:
-        pytest.skip(f"backend {backend.name!r} declares itself non-deterministic")
+def test_R19_same_inputs_same_result(backend, data):
+    """Every backend: two runs agree to twice the R20 tolerance and both give the exact empty
+    rows of R11. A backend that declares ``deterministic`` (numpy does): the same bits."""
     p = _problem(data, backend)
     (o1, l1), (o2, l2) = p.forward(backend), p.forward(backend)
-    assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes(), "R19: two runs gave different bits"
+    if backend.capabilities.deterministic:
+        assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes(), (
+            f"[{backend.name}] R19: two runs gave different bits on a backend that declares deterministic")
+    empty = _rows_per_q_head(~oracle.attended_mask(p).any(axis=-1), p.group_size)
+    for o, l in ((o1, l1), (o2, l2)):
+        assert_empty_rows_exact(o, l, np.where(empty, -np.inf, 0.0), err_msg=f"[{backend.name}] R19:")
+    assert_attention_close(o2, o1, dtype=p.dtypes, lse=l2, ref_lse=l1, tol=_twice(tolerance(p.dtypes)),
+                           err_msg=f"[{backend.name}] R19 second run vs first:")
 
 
-def _plain_attention(p: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
-    """Textbook attention of every query over the first L_b tokens of its sequence, causal
-    right-aligned (query i of T_b sees positions <= L_b - T_b + i), in float64."""
-    out = np.zeros(p.q.shape)
-    lse = np.full(p.q.shape[:2], -np.inf)
-    S, G = p.page_size, p.group_size
-    for b in range(p.num_seqs):
-        lo, hi = int(p.cu_seqlens_q[b]), int(p.cu_seqlens_q[b + 1])
-        L, T = int(p.kv_lens[b]), hi - lo
-        pos = np.arange(L)
-        pages = p.block_tables[b, pos // S]
-        K = p.k_cache[pages, :, pos % S].astype(np.float64)  # [L, Hkv, D]
-        V = p.v_cache[pages, :, pos % S].astype(np.float64)
-        for i in range(T):
-            seen = pos <= L - T + i if p.causal else pos >= 0
-            for hq in range(p.num_q_heads):
-                s = p.scale * (K[seen, hq // G] @ p.q[lo + i, hq].astype(np.float64))
-                if s.size:
-                    w = np.exp(s - s.max())
-                    out[lo + i, hq] = w @ V[seen, hq // G] / w.sum()
-                    lse[lo + i, hq] = s.max() + math.log(w.sum())
-    return out, lse
+# --- R27: batch invariance ----------------------------------------------------------------------
+
+def _batch(p: AttentionProblem, order: list[int]) -> AttentionProblem:
+    """The sequences ``order`` of ``p`` (repeats allowed), as one packed batch (R3)."""
+    cu = p.cu_seqlens_q
+    rows = [np.arange(cu[b], cu[b + 1]) for b in order]
+    idx = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+    counts = [int(cu[b + 1] - cu[b]) for b in order]
+    return p.replace(q=p.q[idx], selected=p.selected[idx], block_tables=p.block_tables[order],
+                     cu_seqlens_q=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+                     used_kv_lens=None if p.used_kv_lens is None else p.used_kv_lens[order])
+
+
+def _rows_of(p: AttentionProblem, order: list[int], at: int, res) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of the ``at``-th sequence of ``order`` in a result of ``_batch(p, order)``."""
+    lo = sum(int(p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]) for b in order[:at])
+    hi = lo + int(p.cu_seqlens_q[order[at] + 1] - p.cu_seqlens_q[order[at]])
+    return res[0][lo:hi], res[1][lo:hi]
 
 
 @given(data=st.data())
-def test_R9_selecting_every_block_is_dense_causal_attention(backend, data):
-    p = _problem(data, backend, holes=False, all_blocks=True)
-    out, lse = p.forward(backend)
-    ref, ref_lse = _plain_attention(p)
-    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+def test_R27_rows_do_not_depend_on_the_rest_of_the_batch(backend, data):
+    """Binds backends that declare ``batch_invariant`` (numpy does): a sequence's rows give the
+    same bits alone, in its batch, and in a shuffled and enlarged batch; with the index branch,
+    its block scores and its selection too."""
+    caps = backend.capabilities
+    if not caps.batch_invariant:
+        pytest.skip(f"backend {backend.name!r} does not declare batch_invariant (R27)")
+    c = data.draw(pst.index_problems(caps=caps, num_seqs=st.integers(2, 4), max_queries=16), label="problem")
+    p = c.problem
+    with_queries = [x for x in range(p.num_seqs) if p.cu_seqlens_q[x + 1] > p.cu_seqlens_q[x]]
+    b = data.draw(st.sampled_from(with_queries or [0]), label="sequence")
+    others = [x for x in range(p.num_seqs) if x != b]
+    shuffled = data.draw(st.permutations(others + others[:1] + [b]), label="shuffled, enlarged batch")
+    batches = [[b], list(range(p.num_seqs)), list(shuffled)]
+    got = []
+    for order in batches:
+        pb = _batch(p, order)
+        rows = _rows_of(p, order, order.index(b), pb.forward(backend))
+        if caps.index_branch:
+            iq = np.concatenate([c.index_q[p.cu_seqlens_q[x]:p.cu_seqlens_q[x + 1]] for x in order])
+            sc = block_scores(iq, c.index_k_cache, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens,
+                              block_size=p.block_size, causal=p.causal, backend=backend)
+            sel = select_topk(sc, max(1, p.topk), cu_seqlens_q=pb.cu_seqlens_q, used_kv_lens=pb.used_kv_lens,
+                              block_size=p.block_size, backend=backend)
+            rows += _rows_of(p, order, order.index(b), (np.asarray(sc), np.asarray(sel)))
+        got.append(rows)
+    names = ("out", "lse", "block scores", "selection")
+    for order, rows in zip(batches[1:], got[1:]):
+        for name, x, alone in zip(names, rows, got[0]):
+            assert x.tobytes() == alone.tobytes(), (
+                f"[{backend.name}] R27: the {name} of sequence {b} alone differ from those in the batch {order}")
 
 
 # --- invariances ------------------------------------------------------------------------------
@@ -300,6 +336,21 @@ def test_R15_combine_of_partials_equals_forward(backend, data):
                            err_msg=f"[{backend.name}] combine vs forward:")
 
 
+@given(data=st.data())
+def test_R15_the_backends_own_combine_matches_the_reference(backend, data):
+    """``backend.combine_partials`` itself, also when ``forward`` is overridden and never calls it."""
+    p = _problem(data, backend)
+    index = p.build_index()
+    part = psa.forward_partials(p.q, p.k_cache, p.v_cache, index, softmax_scale=p.softmax_scale, backend=backend)
+    out, lse = backend.combine_partials(part, index)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert out.dtype == lse.dtype == np.float32, f"R15: combine gave out {out.dtype}, lse {lse.dtype}"
+    assert out.shape == p.q.shape and lse.shape == p.q.shape[:2], f"R15: out {out.shape}, lse {lse.shape}"
+    ref, ref_lse = p.reference()
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse,
+                           err_msg=f"[{backend.name}] its own combine_partials:")
+
+
 def _states(p: AttentionProblem, backend, data, parts: int):
     sels = _split_selection(p.selected, parts, data.draw(SEEDS, label="split seed"))
     return [p.forward(backend, selected=s) for s in sels]
@@ -357,6 +408,18 @@ def test_R17_single_violation_raises_spec_error_naming_the_rule(backend, rule, d
     assert str(err).startswith("forward(): ") and str(err).endswith(f"[{rule}]"), f"message format: {err}"
 
 
+@pytest.mark.parametrize("rule", pst.INDEX_RULES)
+@given(data=st.data())
+def test_R17_index_branch_violation_raises_spec_error_naming_the_rule(backend, rule, data):
+    """Validation precedes the capability check, so this binds every backend, index branch or not."""
+    bad = data.draw(pst.invalid_index_problems(caps=backend.capabilities, rules=[rule]), label="invalid call")
+    with _no_backend_work(backend), pytest.raises(psa.SpecError) as info:
+        sparse_attention(**bad.kwargs, backend=backend)
+    err = info.value
+    assert err.rule == rule, f"{bad.what}: expected a SpecError for {rule}, got {err.rule}: {err}"
+    assert str(err).startswith("sparse_attention(): ") and str(err).endswith(f"[{rule}]"), f"message format: {err}"
+
+
 def _minimal(dtype: str, D: int, S: int, BS: int) -> dict:
     dt = {d.name: d for d in FLOAT_DTYPES}[dtype]
     return dict(q=np.zeros((1, 1, D), dt), k_cache=np.zeros((1, 1, S, D), dt), v_cache=np.zeros((1, 1, S, D), dt),
@@ -384,3 +447,90 @@ def test_R18_problem_beyond_capabilities_raises_unsupported(backend, limit):
     with _no_backend_work(backend), pytest.raises(psa.UnsupportedError) as info:
         psa.forward(**kwargs, backend=backend)
     assert backend.name in str(info.value), f"R18: the error must name the backend: {info.value}"
+
+
+# --- R21-R25: the index branch, on backends that declare it ------------------------------------
+
+def _index_case(data, backend, **kwargs) -> pst.IndexCase:
+    if not backend.capabilities.index_branch:
+        pytest.skip(f"backend {backend.name!r} does not declare the index branch (index_branch=False)")
+    return data.draw(pst.index_problems(caps=backend.capabilities, **kwargs), label="index problem")
+
+
+def _score_bound(c: pst.IndexCase, scale) -> np.ndarray:
+    """R22: a float32 dot product of length d is within (d + 2) eps32 sum |iq| |ik| of the exact one."""
+    p = c.problem
+    mag = block_scores_reference(np.abs(c.index_q), np.abs(c.index_k_cache), *c.score_args()[2:],
+                                 block_size=p.block_size, causal=p.causal,
+                                 softmax_scale=None if scale is None else abs(scale))  # |beta|: a bound
+    mag = np.abs(np.where(np.isfinite(mag), mag, 0.0))
+    return (c.index_q.shape[2] + 2) * float(np.finfo(np.float32).eps) * mag + np.finfo(np.float32).tiny
+
+
+@given(data=st.data())
+def test_R22_block_scores_match_the_loop_reference(backend, data):
+    c = _index_case(data, backend)
+    p = c.problem
+    scale = data.draw(st.sampled_from([None, 0.5, -1.0]), label="index softmax_scale")
+    got = block_scores(*c.score_args(), block_size=p.block_size, causal=p.causal, softmax_scale=scale,
+                       backend=backend)
+    got = np.asarray(got)
+    ref = block_scores_reference(*c.score_args(), block_size=p.block_size, causal=p.causal, softmax_scale=scale)
+    assert got.dtype == np.float32 and got.shape == ref.shape, f"R22: got {got.dtype} {got.shape}"
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref),
+                                  err_msg=f"[{backend.name}] R22: -inf exactly where nothing is visible")
+    fin = np.isfinite(ref)
+    err = np.abs(got[fin].astype(np.float64) - ref[fin])
+    bound = _score_bound(c, scale)[fin]
+    assert (err <= bound).all(), (f"[{backend.name}] R22: a block score is off by {err.max():.4g}, "
+                                  f"bound {bound[np.argmax(err - bound)]:.4g}")
+
+
+@st.composite
+def _scores(draw, shape):
+    """float32 block scores with ties, NaN, -inf and +inf (R24 defines them all)."""
+    pool = draw(st.sampled_from(["ties", "normal", "specials"]))
+    rng = np.random.default_rng(draw(SEEDS))
+    if pool == "ties":
+        s = rng.integers(-2, 3, size=shape).astype(np.float32)
+    else:
+        s = rng.standard_normal(shape).astype(np.float32)
+    if pool == "specials":
+        s[rng.random(shape) < 0.3] = rng.choice(np.array([np.nan, -np.inf, np.inf, -0.0], np.float32))
+    return s
+
+
+@given(data=st.data())
+def test_R24_select_topk_equals_the_reference_exactly(backend, data):
+    c = _index_case(data, backend)
+    p = c.problem
+    scores = data.draw(_scores((p.num_queries, p.num_kv_heads, p.msb)), label="scores")
+    force_local = data.draw(st.booleans(), label="force_local")
+    topk = data.draw(st.integers(1 if force_local else 0, p.msb + 1), label="topk")
+    kw = dict(force_local=force_local, cu_seqlens_q=p.cu_seqlens_q, used_kv_lens=p.used_kv_lens,
+              block_size=p.block_size)
+    got = np.asarray(select_topk(scores, topk, **kw, backend=backend))
+    want = select_topk_reference(scores, topk, **kw)
+    assert got.dtype == np.int32, f"R24: selection dtype {got.dtype}"
+    np.testing.assert_array_equal(got, want, err_msg=f"[{backend.name}] R24: the selection is an exact "
+                                                     "function of the float32 scores")
+
+
+@given(data=st.data())
+def test_R25_sparse_attention_is_its_three_steps(backend, data):
+    c = _index_case(data, backend, topk=st.integers(1, 3))
+    p = c.problem
+    topk = max(1, p.topk)
+    kw = dict(used_kv_lens=p.used_kv_lens, block_size=p.block_size)
+    out, lse = sparse_attention(p.q, p.k_cache, p.v_cache, c.index_q, c.index_k_cache, p.block_tables,
+                                p.cu_seqlens_q, **kw, topk=topk, causal=p.causal, softmax_scale=p.softmax_scale,
+                                backend=backend, return_lse=True)
+    scores = block_scores(*c.score_args(), block_size=p.block_size, causal=p.causal, backend=backend)
+    sel = select_topk_reference(np.asarray(scores), topk, force_local=True, cu_seqlens_q=p.cu_seqlens_q, **kw)
+    ref, ref_lse = p.reference(selected=sel)
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse,
+                           err_msg=f"[{backend.name}] R25 sparse_attention vs the reference of its selection:")
+    if backend.capabilities.deterministic:  # R19: the same bits as the three public calls
+        want, want_lse = p.forward(backend, selected=sel)
+        assert out.tobytes() == want.tobytes() and lse.tobytes() == want_lse.tobytes(), (
+            f"[{backend.name}] R25: sparse_attention differs from its three steps on a deterministic backend")

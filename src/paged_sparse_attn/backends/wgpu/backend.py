@@ -236,7 +236,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 max_page_size=128,
                 max_block_size=None,
                 device_arrays=True,
-                deterministic=True,
+                deterministic=True, batch_invariant=False, index_branch=True,
                 features=frozenset(ctx.features),
                 limits=limits,
                 device=ctx.summary,
