@@ -236,7 +236,7 @@ class _SpyBackend(NumpyBackend):
 
     @property
     def capabilities(self):
-        return psa.Capabilities(dtypes=("float32",))
+        return psa.Capabilities(dtypes=("float32",), index_branch=True)
 
     def forward_partials(self, problem, index):
         self.seen.append(problem.q)

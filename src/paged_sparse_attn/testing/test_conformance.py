@@ -14,7 +14,6 @@ values come from [`dense_reference`][paged_sparse_attn.dense_reference] or from 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy as np
 import pytest
