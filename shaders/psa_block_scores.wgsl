@@ -94,8 +94,8 @@ struct Params {
 @group(0) @binding(4) var<storage, read> plan: array<u32>;
 @group(0) @binding(5) var<storage, read_write> out: array<u32>;
 
-var<workgroup> qs: array<vec4<f32>, DCV * 4u * (RT / 4u)>;  // [dim][row group]: 4 rows per vec4
-var<workgroup> ks: array<vec4<f32>, DCV * 4u * (PT / 4u)>;  // [dim][position quad]
+var<workgroup> qs: array<f32, DCV * 4u * RT>;  // [dim][row]
+var<workgroup> ks: array<f32, DCV * 4u * PT>;  // [dim][position]
 var<workgroup> kok: array<u32, PT>;                           // 1: position loaded (readable)
 var<workgroup> red: array<atomic<u32>, RT>;                   // row maxima (max: order-free, R19)
 
@@ -124,15 +124,17 @@ fn row_of(r0: u32, x: u32, n_rows: u32, t0: u32, nh: u32, h_off: u32, s: u32) ->
     return Row((t * params.heads + h) * DV, bitcast<i32>(plan[t]), (t * params.heads + h) * params.msb + s);
 }
 
-// the max key of 4 logits of one row at positions p0 .. p0 + 3 of the pass
+// the key of logit x at position p of the pass, 0 where the row does not see it
+fn vis_key(x: f32, p: u32, base: u32, qend: i32) -> u32 {
+    let vis = kok[p] != 0u && i32(base + p) < qend;
+    return select(0u, logit_key(params.scale * x), vis);
+}
+
+// the max key of 4 logits of one row at positions p0 .. p0 + 3 of the pass (no dynamic
+// indexing of vectors: it may compile to memory instead of registers)
 fn quad_max(best: u32, a: vec4<f32>, p0: u32, base: u32, qend: i32) -> u32 {
-    var m = best;
-    for (var i = 0u; i < 4u; i++) {
-        let p = p0 + i;
-        let vis = kok[p] != 0u && i32(base + p) < qend;
-        m = max(m, select(0u, logit_key(params.scale * a[i]), vis));
-    }
-    return m;
+    return max(max(max(best, vis_key(a.x, p0, base, qend)), vis_key(a.y, p0 + 1u, base, qend)),
+               max(vis_key(a.z, p0 + 2u, base, qend), vis_key(a.w, p0 + 3u, base, qend)));
 }
 
 @compute @workgroup_size(256)
@@ -154,11 +156,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let rg = lid % 16u;          // rows 4 rg .. 4 rg + 3
     let pgp = lid / 16u;         // positions 8 pgp .. 8 pgp + 7 of a pass
     let live = 4u * rg < n_rows;
-    let rows = array<Row, 4>(row_of(r0, 4u * rg, n_rows, t0, nh, h_off, s),
-                             row_of(r0, 4u * rg + 1u, n_rows, t0, nh, h_off, s),
-                             row_of(r0, 4u * rg + 2u, n_rows, t0, nh, h_off, s),
-                             row_of(r0, 4u * rg + 3u, n_rows, t0, nh, h_off, s));
-    var best = vec4<u32>(0u);
+    let qe0 = row_of(r0, 4u * rg, n_rows, t0, nh, h_off, s).qend;
+    let qe1 = row_of(r0, 4u * rg + 1u, n_rows, t0, nh, h_off, s).qend;
+    let qe2 = row_of(r0, 4u * rg + 2u, n_rows, t0, nh, h_off, s).qend;
+    let qe3 = row_of(r0, 4u * rg + 3u, n_rows, t0, nh, h_off, s).qend;
+    var best0 = 0u;
+    var best1 = 0u;
+    var best2 = 0u;
+    var best3 = 0u;
     if (lid < RT) {
         atomicStore(&red[lid], 0u);  // explicitly: not every driver zeroes workgroup memory per workgroup
     }
@@ -171,7 +176,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         var a3 = vec4<f32>(0.0); var b3 = vec4<f32>(0.0);
         for (var st = 0u; st < nstep; st++) {
             let j0 = st * DCV;
-            // stage the keys: position p, vec4 j of the step -> ks[(4 j + c) * 32 + p / 4][p % 4]
+            // stage the keys: position p, vec4 j of the step -> ks[(4 j + c) PT + p]
             for (var x = lid; x < PT * DCV; x += WG) {
                 let p = x / DCV;
                 let j = x - p * DCV;
@@ -185,16 +190,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         ok = 1u;
                     }
                 }
-                let o = 4u * j * (PT / 4u) + p / 4u;
-                ks[o][p % 4u] = v.x;
-                ks[o + PT / 4u][p % 4u] = v.y;
-                ks[o + 2u * (PT / 4u)][p % 4u] = v.z;
-                ks[o + 3u * (PT / 4u)][p % 4u] = v.w;
+                let o = 4u * j * PT + p;
+                ks[o] = v.x;
+                ks[o + PT] = v.y;
+                ks[o + 2u * PT] = v.z;
+                ks[o + 3u * PT] = v.w;
                 if (st == 0u && j == 0u) {
                     kok[p] = ok;
                 }
             }
-            // stage the queries: row x, vec4 j -> qs[(4 j + c) * 16 + x / 4][x % 4]
+            // stage the queries: row r, vec4 j -> qs[(4 j + c) RT + r]
             for (var x = lid; x < RT * DCV; x += WG) {
                 let r = x / DCV;
                 let j = x - r * DCV;
@@ -203,18 +208,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     let rr = row_of(r0, r, n_rows, t0, nh, h_off, s);
                     v = iq[rr.qrow + j0 + j];
                 }
-                let o = 4u * j * (RT / 4u) + r / 4u;
-                qs[o][r % 4u] = v.x;
-                qs[o + RT / 4u][r % 4u] = v.y;
-                qs[o + 2u * (RT / 4u)][r % 4u] = v.z;
-                qs[o + 3u * (RT / 4u)][r % 4u] = v.w;
+                let o = 4u * j * RT + r;
+                qs[o] = v.x;
+                qs[o + RT] = v.y;
+                qs[o + 2u * RT] = v.z;
+                qs[o + 3u * RT] = v.w;
             }
             workgroupBarrier();
             if (live) {
                 for (var dd = 0u; dd < 4u * DCV; dd++) {
-                    let q = qs[dd * (RT / 4u) + rg];
-                    let ka = ks[dd * (PT / 4u) + 2u * pgp];
-                    let kb = ks[dd * (PT / 4u) + 2u * pgp + 1u];
+                    let qo = dd * RT + 4u * rg;
+                    let ko = dd * PT + 8u * pgp;
+                    let q = vec4<f32>(qs[qo], qs[qo + 1u], qs[qo + 2u], qs[qo + 3u]);
+                    let ka = vec4<f32>(ks[ko], ks[ko + 1u], ks[ko + 2u], ks[ko + 3u]);
+                    let kb = vec4<f32>(ks[ko + 4u], ks[ko + 5u], ks[ko + 6u], ks[ko + 7u]);
                     a0 += q.x * ka; b0 += q.x * kb;
                     a1 += q.y * ka; b1 += q.y * kb;
                     a2 += q.z * ka; b2 += q.z * kb;
@@ -226,18 +233,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (live) {
             let base = s * BS + k0;
             let p0 = 8u * pgp;
-            best.x = quad_max(quad_max(best.x, a0, p0, base, rows[0].qend), b0, p0 + 4u, base, rows[0].qend);
-            best.y = quad_max(quad_max(best.y, a1, p0, base, rows[1].qend), b1, p0 + 4u, base, rows[1].qend);
-            best.z = quad_max(quad_max(best.z, a2, p0, base, rows[2].qend), b2, p0 + 4u, base, rows[2].qend);
-            best.w = quad_max(quad_max(best.w, a3, p0, base, rows[3].qend), b3, p0 + 4u, base, rows[3].qend);
+            best0 = quad_max(quad_max(best0, a0, p0, base, qe0), b0, p0 + 4u, base, qe0);
+            best1 = quad_max(quad_max(best1, a1, p0, base, qe1), b1, p0 + 4u, base, qe1);
+            best2 = quad_max(quad_max(best2, a2, p0, base, qe2), b2, p0 + 4u, base, qe2);
+            best3 = quad_max(quad_max(best3, a3, p0, base, qe3), b3, p0 + 4u, base, qe3);
         }
         workgroupBarrier();  // kok is rewritten by the next pass
     }
     // max over the 16 position groups of each row (red was zeroed before the first barrier)
     if (live) {
-        for (var i = 0u; i < 4u; i++) {
-            atomicMax(&red[4u * rg + i], best[i]);
-        }
+        atomicMax(&red[4u * rg], best0);
+        atomicMax(&red[4u * rg + 1u], best1);
+        atomicMax(&red[4u * rg + 2u], best2);
+        atomicMax(&red[4u * rg + 3u], best3);
     }
     workgroupBarrier();
     if (lid < n_rows) {

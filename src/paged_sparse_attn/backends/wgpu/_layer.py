@@ -545,7 +545,7 @@ class DeviceRuntime:
                 res = CallResult(self.be, res_buf, self.Tq, self.Hq, self.D, fn=fn, num_kv_heads=L.num_kv_heads,
                                  msb=L.msb, generation=self.generation, recycle=self._recycle,
                                  reader=self._read_results)
-                return res.out, res.lse
+                return res.tensors()
             n = self.o_bytes + self.ml_bytes + 8
             try:
                 raw = np.frombuffer(map_read(self.rb, n), dtype=np.uint8)
@@ -574,7 +574,7 @@ class DeviceRuntime:
                                             usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC, label="results")
         res = CallResult(self.be, buf, Tq, Hq, D, fn=fn, num_kv_heads=L.num_kv_heads, msb=L.msb,
                          generation=self.generation)  # WebGPU zero-fills: out 0, l 0 (lse -inf), no error
-        return res.out, res.lse
+        return res.tensors()
 
     # --- the index alone (R33) -------------------------------------------------------------------
 

@@ -150,10 +150,16 @@ class CallResult:
         self._finalizer = (weakref.finalize(self, recycle, buffer) if recycle is not None
                            else weakref.finalize(self, destroy_all, [buffer]))
         self._finalizer.atexit = False
-        self.out = WgpuTensor(backend, buffer, (Tq, Hq, D), np.float32, generation=generation, owner=self,
-                              label="out")
-        self.lse = WgpuTensor(backend, buffer, (Tq, Hq), np.float32, offset=self.o_bytes, generation=generation,
-                              owner=self, label="lse")
+        self._shapes = {"out": (Tq, Hq, D), "lse": (Tq, Hq)}
+        self._generation = generation
+
+    def tensors(self) -> tuple[WgpuTensor, WgpuTensor]:
+        """``(out, lse)``: views of the buffer that keep this result alive (it does not keep them:
+        no reference cycle, so the buffer goes back to its plan as soon as both are dropped)."""
+        b, g = self._buffer, self._generation
+        return (WgpuTensor(self.backend, b, self._shapes["out"], np.float32, generation=g, owner=self, label="out"),
+                WgpuTensor(self.backend, b, self._shapes["lse"], np.float32, offset=self.o_bytes, generation=g,
+                           owner=self, label="lse"))
 
     @staticmethod
     def nbytes(Tq: int, Hq: int, D: int) -> int:
@@ -173,7 +179,10 @@ class CallResult:
             if self._buffer is None:
                 raise DeviceError(f"wgpu backend: the results of {self.fn}() were released")
             with self.backend._lock:
-                buf = self.out.buffer()
+                if self._generation != self.backend._generation:
+                    raise DeviceError(f"wgpu backend: the results of {self.fn}() belong to a device that was "
+                                      "lost or closed")
+                buf = self._buffer
                 if self._reader is not None:
                     self._host = self._reader(buf, self.err_offset + 8)
                 else:
@@ -190,7 +199,7 @@ class CallResult:
     def read(self, t: WgpuTensor) -> np.ndarray:
         raw = self._raw()
         self.check()
-        if t is self.out:
+        if t._label == "out":
             return raw[:self.o_bytes].view(np.float32).reshape(t.shape).copy()
         ml = raw[self.o_bytes:self.err_offset].view(np.float32).reshape(-1, 2)
         return lse_from_ml(ml).reshape(t.shape)

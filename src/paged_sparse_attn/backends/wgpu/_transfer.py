@@ -103,16 +103,9 @@ def map_read(buf, nbytes: int) -> memoryview:
     global _NOSYNC
     if _NOSYNC:
         try:
-            promise = buf.map_async("READ_NOSYNC", 0, nbytes)
+            buf.map_sync("READ_NOSYNC", 0, nbytes)
         except (ValueError, KeyError, TypeError, AttributeError):  # a wgpu-py without it: checked before mapping
             _NOSYNC = False
-        else:
-            # wait on this thread (wgpu-native's blocking device poll runs the map callback here)
-            # instead of handing over to wgpu-py's poll thread and back, which cost ~0.3 ms a call
-            poll = getattr(getattr(buf, "_device", None), "_poll_wait", None)
-            if poll is not None:
-                poll()
-            promise.sync_wait()
     if not _NOSYNC:
         import wgpu
 
