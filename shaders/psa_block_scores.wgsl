@@ -1,13 +1,14 @@
 // psa_block_scores.wgsl — block scores of the index branch (R22): one workgroup per work item.
 //
-// A work item is (block s of sequence b, index key head hk, a run of at most RT = 64 "rows" of
-// the sequence's queries that read that index key head). A row is one (query t, KV head h): with
+// A work item is (block s of sequence b, index key head hk, a run of at most RT "rows" of the
+// sequence's queries that read that index key head; RT is 64, or fewer when no sequence has that
+// many rows: 8 for decode, so that a workgroup is one subgroup and no invocation idles). A row is one (query t, KV head h): with
 // one shared index key head (Hk_idx = 1) the rows of a sequence are all its (t, h) pairs,
 // t-major; with Hk_idx = Hkv they are the sequence's queries for KV head h = hk. The workgroup
-// computes the item's logits as a register-tiled matrix product, [64 rows] x [d_idx] x [128
-// positions] per pass: the index queries and keys are staged DC dims at a time in workgroup
-// memory (KV-outer: each key is loaded once for all the item's rows), and each of the 256
-// invocations accumulates a 4 rows x 8 positions tile in registers (16 row groups x 16
+// computes the item's logits as a register-tiled matrix product, [RT rows] x [d_idx] x [128
+// positions] per pass: the index queries and keys are staged 4 DCV dims at a time in workgroup
+// memory (KV-outer: each key is loaded once for all the item's rows), and each of the WG = 4 RT
+// invocations accumulates a 4 rows x 8 positions tile in registers (RT / 4 row groups x 16
 // position groups). The max over the visible positions of each row is taken in registers,
 // then across the 16 position groups with workgroup atomics (a max: the same whatever the order). Row groups past the item's rows skip
 // the arithmetic (decode items have Hkv rows).
@@ -36,7 +37,7 @@
 // Work item i (8 u32 at items_off + (item_base + i) * 8):
 //   [0] t0      batch-local query of the sequence's first row in the batch
 //   [1] r0      first row of the item (rows of the sequence in the batch counted from t0)
-//   [2] n_rows  rows in the item (<= 64); row r0 + x is (t0 + (r0 + x) / nh, h_off + (r0 + x) % nh)
+//   [2] n_rows  rows in the item (<= RT); row r0 + x is (t0 + (r0 + x) / nh, h_off + (r0 + x) % nh)
 //   [3] nh      KV heads per query in the row numbering (Hkv or 1)
 //   [4] h_off   first KV head (0, or hk with Hk_idx = Hkv)
 //   [5] pages   offset of the block's page list (ppb entries) in `pages`
@@ -56,6 +57,7 @@
 // Override constants
 //   DV  vec4s per index row (ceil(d_idx / 4))     S   page size      BS  block size
 //   DCV vec4s of each row staged per step (the host fits it to the workgroup memory)
+//   RT  rows per work item (64, or the next power of two >= the rows of the longest sequence, >= 8)
 // Accumulation is f32, in a fixed order per logit (dims ascending): results do not depend on the
 // schedule (R19). The loader rewrites `alias kv_t` to f16 for float16 index caches.
 
@@ -65,9 +67,9 @@ override DV: u32;
 override S: u32;
 override BS: u32;
 override DCV: u32 = 8u;
-
-const WG: u32 = 256u;
-const RT: u32 = 64u;        // rows per item
+override RT: u32 = 64u;             // rows per item: a power of two, 8 .. 64
+override NRG: u32 = RT / 4u;        // row groups of 4 rows
+override WG: u32 = NRG * 16u;       // invocations: NRG row groups x 16 position groups
 const PT: u32 = 128u;       // positions per pass
 const INVALID: u32 = 0xffffffffu;
 const NAN_KEY: u32 = 0xffffffffu;
@@ -137,7 +139,7 @@ fn quad_max(best: u32, a: vec4<f32>, p0: u32, base: u32, qend: i32) -> u32 {
                max(vis_key(a.z, p0 + 2u, base, qend), vis_key(a.w, p0 + 3u, base, qend)));
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let item = wid.y * params.grid_x + wid.x;
     if (item >= params.n_items) {
@@ -153,8 +155,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let npos = plan[ib + 6u];
     let s = plan[ib + 7u];
 
-    let rg = lid % 16u;          // rows 4 rg .. 4 rg + 3
-    let pgp = lid / 16u;         // positions 8 pgp .. 8 pgp + 7 of a pass
+    let rg = lid % NRG;          // rows 4 rg .. 4 rg + 3
+    let pgp = lid / NRG;         // positions 8 pgp .. 8 pgp + 7 of a pass
     let live = 4u * rg < n_rows;
     let qe0 = row_of(r0, 4u * rg, n_rows, t0, nh, h_off, s).qend;
     let qe1 = row_of(r0, 4u * rg + 1u, n_rows, t0, nh, h_off, s).qend;

@@ -29,15 +29,21 @@ __all__ = ["IndexBranchMixin", "decode_score_keys"]
 
 SCORES = "psa_block_scores.wgsl"
 TOPK = "psa_select_topk.wgsl"
-SCORES_WG = 64  # rows per block-score work item (const RT in the shader)
+SCORES_WG = 64  # rows per block-score work item at most (override RT of the shader)
 TOPK_WG = 64
 SCORES_STAGE = (8, 4, 2, 1)  # vec4s of a row staged per step (DCV), the largest that fits first
 
 
-def score_workgroup_bytes(dcv: int) -> int:
-    """Workgroup memory of psa_block_scores.wgsl: staged queries (64 rows) and keys (128
+def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
+    """Workgroup memory of psa_block_scores.wgsl: staged queries (RT rows) and keys (128
     positions) of DCV vec4s, the position flags and the row maxima."""
-    return dcv * 4 * (16 + 32) * 16 + 128 * 4 + 64 * 4
+    return dcv * 4 * (rt + 128) * 4 + 128 * 4 + rt * 4
+
+
+def score_rows_per_item(rows_per_seq: int) -> int:
+    """RT: 64 rows per block-score work item, or the next power of two >= the rows of the longest
+    sequence (at least 8: one subgroup of 32 invocations); decode items have Hkv rows."""
+    return int(min(SCORES_WG, max(8, 1 << max(0, int(rows_per_seq) - 1).bit_length())))
 TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
 PARAM_BYTES = 48  # one uniform record per dispatch (multiple of 16)
 INVALID = 0xFFFFFFFF
@@ -273,13 +279,14 @@ class IndexBranchMixin:
                 f"B={B} x msb={msb} x Hk_idx={Hk} x {ppb} pages) in one storage binding of "
                 f"{ctx.binding_size} bytes; split the call into fewer sequences [R18]")
 
-        fits = [c for c in SCORES_STAGE if score_workgroup_bytes(c) <= ctx.workgroup_storage]
+        RT = score_rows_per_item(int(T.max(initial=1)) * (Hkv if Hk == 1 else 1))
+        fits = [c for c in SCORES_STAGE if score_workgroup_bytes(c, RT) <= ctx.workgroup_storage]
         if not fits:
-            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {score_workgroup_bytes(1)} bytes of workgroup "
+            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {score_workgroup_bytes(1, RT)} bytes of workgroup "
                                    f"memory for the block scores, the device has {ctx.workgroup_storage} [R18]")
         DCV = fits[0]
         f16 = np.dtype(ik.dtype).itemsize == 2
-        pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV})
+        pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV, "RT": RT})
 
         per_q = max(Hkv * DV * 16, Hkv * msb * 4)
         # a batch of queries: its index queries, its outputs and its query_end plus >= 1 work item fit
@@ -298,8 +305,8 @@ class IndexBranchMixin:
                 s = np.arange(int(nblk[b]), dtype=np.int64)
                 for h_off, nh, hk in heads:
                     nr = (te - ts) * nh
-                    r0 = np.arange(0, nr, SCORES_WG, dtype=np.int64)
-                    n_rows = np.minimum(SCORES_WG, nr - r0)
+                    r0 = np.arange(0, nr, RT, dtype=np.int64)
+                    n_rows = np.minimum(RT, nr - r0)
                     last_end = qend[ts + (r0 + n_rows - 1) // nh]  # query_end grows within a sequence
                     npos = np.minimum(np.minimum(BS, L - s * BS)[None, :], last_end[:, None] - s[None, :] * BS)
                     for c in range(nch):
