@@ -34,7 +34,8 @@ def main() -> None:
         for name, edit in variants.items():
             if stage != (8, 4, 2, 1) and name != "as is":
                 continue
-            ib.SCORES_STAGE = stage
+            ib.SCORES_STAGE = {64: stage}
+            ib.SCORES_STAGE_SMALL = stage
             ib.shader_source = lambda n, f16=False, _e=edit: _e(orig_src(n, f16=f16)) if n == ib.SCORES else orig_src(n, f16=f16)
             be = psa.backends.wgpu.WgpuBackend(timestamps=True)
             k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])

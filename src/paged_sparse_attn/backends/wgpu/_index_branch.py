@@ -31,7 +31,12 @@ SCORES = "psa_block_scores.wgsl"
 TOPK = "psa_select_topk.wgsl"
 SCORES_WG = 64  # rows per block-score work item at most (override RT of the shader)
 TOPK_WG = 64
-SCORES_STAGE = (8, 4, 2, 1)  # vec4s of a row staged per step (DCV), the largest that fits first
+# vec4s of a row staged per step (DCV), in order of preference. Measured on the H200 (decode
+# layer, 8192 items of 4 rows): with 8-row items DCV = 2 took 500 us and DCV = 8 2450 us (the
+# keys of a step are loaded by 32 invocations, latency-bound; smaller tiles keep more workgroups
+# resident); 64-row items (prefill) keep DCV = 8.
+SCORES_STAGE = {64: (8, 4, 2, 1)}
+SCORES_STAGE_SMALL = (2, 1)
 
 
 def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
@@ -280,7 +285,7 @@ class IndexBranchMixin:
                 f"{ctx.binding_size} bytes; split the call into fewer sequences [R18]")
 
         RT = score_rows_per_item(int(T.max(initial=1)) * (Hkv if Hk == 1 else 1))
-        fits = [c for c in SCORES_STAGE if score_workgroup_bytes(c, RT) <= ctx.workgroup_storage]
+        fits = [c for c in SCORES_STAGE.get(RT, SCORES_STAGE_SMALL) if score_workgroup_bytes(c, RT) <= ctx.workgroup_storage]
         if not fits:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {score_workgroup_bytes(1, RT)} bytes of workgroup "
                                    f"memory for the block scores, the device has {ctx.workgroup_storage} [R18]")
