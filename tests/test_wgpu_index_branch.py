@@ -281,3 +281,19 @@ def test_R25_R19_wgpu_sparse_attention_is_its_three_steps_and_deterministic(be, 
     np.testing.assert_array_equal(again[0], out)
     np.testing.assert_array_equal(again[1], lse)
     np.testing.assert_array_equal(_scores(c, be, causal), scores)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_R22_wgpu_decode_block_scores_match_loop_reference(be, seed):
+    """One query per sequence (items of at most 8 rows: ``psa_block_scores_decode.wgsl``), shared
+    or per-head index keys, both dtypes, causal or not: scores equal the loop reference within the
+    dot-product bound and ``-inf`` exactly where nothing is visible."""
+    rng = np.random.default_rng(seed)
+    B, Hkv = int(rng.integers(1, 5)), int(rng.integers(1, 9))
+    c = make_case(seed, B=B, Hkv=Hkv, msb=int(rng.integers(1, 5)), T=rng.integers(0, 2, size=B),
+                  d=int(rng.choice([4, 8, 12])), shared=bool(seed % 2), ppb=int(rng.choice([1, 2, 3])),
+                  dtype=np.float16 if seed % 3 == 0 else np.float32)
+    for causal in (True, False):
+        got = _scores(c, be, causal)
+        ref = block_scores_reference(*score_args(c), block_size=c["block_size"], causal=causal)
+        assert_scores_close(got, ref, score_bound(c, causal))

@@ -28,6 +28,8 @@ from ._shaders import shader_source
 __all__ = ["IndexBranchMixin", "decode_score_keys"]
 
 SCORES = "psa_block_scores.wgsl"
+SCORES_DECODE = "psa_block_scores_decode.wgsl"  # items of <= 8 rows (one query per sequence)
+SCORES_DECODE_WG = 128
 TOPK = "psa_select_topk.wgsl"
 SCORES_WG = 64  # rows per block-score work item at most (override RT of the shader)
 TOPK_WG = 64
@@ -284,14 +286,25 @@ class IndexBranchMixin:
                 f"B={B} x msb={msb} x Hk_idx={Hk} x {ppb} pages) in one storage binding of "
                 f"{ctx.binding_size} bytes; split the call into fewer sequences [R18]")
 
-        RT = score_rows_per_item(int(T.max(initial=1)) * (Hkv if Hk == 1 else 1))
-        fits = [c for c in SCORES_STAGE.get(RT, SCORES_STAGE_SMALL) if score_workgroup_bytes(c, RT) <= ctx.workgroup_storage]
-        if not fits:
-            raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {score_workgroup_bytes(1, RT)} bytes of workgroup "
-                                   f"memory for the block scores, the device has {ctx.workgroup_storage} [R18]")
-        DCV = fits[0]
+        rows_per_seq = int(T.max(initial=1)) * (Hkv if Hk == 1 else 1)
         f16 = np.dtype(ik.dtype).itemsize == 2
-        pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV, "RT": RT})
+        DCV = 0
+        if rows_per_seq <= 8 and 8 * DV * 16 + 32 <= ctx.workgroup_storage:
+            # decode: items of at most 8 rows read their keys one row per invocation (measured on
+            # the H200: 501 us with the tiled kernel's best stage for the decode layer's 8192 items)
+            RT = 8
+            pipe, bgl = self._ib_pipeline(SCORES_DECODE, 5, f16, {"DV": DV, "S": S, "BS": BS, "WG": SCORES_DECODE_WG,
+                                                                  "NR": 4 if rows_per_seq <= 4 else 8})
+        else:
+            RT = score_rows_per_item(rows_per_seq)
+            fits = [c for c in SCORES_STAGE.get(RT, SCORES_STAGE_SMALL)
+                    if score_workgroup_bytes(c, RT) <= ctx.workgroup_storage]
+            if not fits:
+                raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {score_workgroup_bytes(1, RT)} bytes of "
+                                       f"workgroup memory for the block scores, the device has "
+                                       f"{ctx.workgroup_storage} [R18]")
+            DCV = fits[0]
+            pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV, "RT": RT})
 
         per_q = max(Hkv * DV * 16, Hkv * msb * 4)
         # a batch of queries: its index queries, its outputs and its query_end plus >= 1 work item fit
