@@ -14,6 +14,7 @@ from ...errors import DeviceError
 
 __all__ = [
     "WEBGPU_DEFAULT_LIMITS",
+    "after_device_error",
     "destroy_all",
     "INSTALL_HINT",
     "DRIVER_HINT",
@@ -314,6 +315,16 @@ def open_device(
     # own checks (a refused call must leave the device untouched)
     ctx.subgroup = _measure_subgroup(ctx)
     return ctx
+
+
+def after_device_error(backend: Any, exc: BaseException) -> bool:
+    """The backend's one device-loss policy, applied wherever a call fails: when the device is
+    lost (a 16-byte allocation fails), close the backend so that its next call opens a new device
+    (device arrays of the old one then say they must be uploaded again). True if it was lost."""
+    if isinstance(exc, DeviceError) and backend._device_lost():
+        backend.close()
+        return True
+    return False
 
 
 def destroy_all(buffers) -> None:

@@ -21,9 +21,9 @@ import numpy as np
 from ..._types import DeviceArray
 from ...errors import DeviceError, UnsupportedError
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
-from ._device import destroy_all, device_errors
+from ._device import after_device_error, destroy_all, device_errors
 from ._plan import grid_dispatches, unique_sorted
-from ._shaders import shader_source
+from ._kernels import pipeline
 
 __all__ = ["IndexBranchMixin", "decode_score_keys"]
 
@@ -196,36 +196,12 @@ class IndexBranchMixin:
             try:
                 return fn(problem)
             except DeviceError as exc:
-                if "lost" in str(exc).lower():
-                    self.close()  # the next call opens a new device
+                after_device_error(self, exc)
                 raise
 
-    def _ib_pipeline(self, kernel: str, n_storage: int, f16: bool, constants: dict):
-        """(pipeline, bind group layout): uniform params, then ``n_storage`` storage buffers (the last read_write)."""
-        import wgpu
-
-        ctx = self._device()
-        key = ("index_branch", kernel, f16, tuple(sorted(constants.items())))
-        hit = ctx.pipelines.get(key)
-        if hit is None:
-            lkey = ("index_branch", kernel)
-            if lkey not in ctx.layouts:
-                kinds = ([{"type": wgpu.BufferBindingType.uniform}]
-                         + [{"type": wgpu.BufferBindingType.read_only_storage}] * (n_storage - 1)
-                         + [{"type": wgpu.BufferBindingType.storage}])
-                entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": k}
-                           for i, k in enumerate(kinds)]
-                with device_errors(f"bind group layout of {kernel}"):
-                    bgl = ctx.device.create_bind_group_layout(entries=entries)
-                    ctx.layouts[lkey] = (bgl, ctx.device.create_pipeline_layout(bind_group_layouts=[bgl]))
-            bgl, pl = ctx.layouts[lkey]
-            with device_errors(f"pipeline creation of {kernel}", f16=f16, **constants):
-                module = ctx.device.create_shader_module(code=shader_source(kernel, f16=f16), label=kernel)
-                pipe = ctx.device.create_compute_pipeline(
-                    layout=pl, compute={"module": module, "entry_point": "main", "constants": constants},
-                    label=kernel)
-            hit = ctx.pipelines[key] = (pipe, bgl)
-        return hit
+    def _ib_pipeline(self, kernel: str, f16: bool, constants: dict):
+        """(pipeline, bind group layout) of an index-branch kernel of the kernel table."""
+        return pipeline(self._device(), kernel, constants, f16=f16)
 
     # --- block scores ----------------------------------------------------------------------------
 
@@ -293,7 +269,7 @@ class IndexBranchMixin:
             # decode: items of at most 8 rows read their keys one row per invocation (measured on
             # the H200: 501 us with the tiled kernel's best stage for the decode layer's 8192 items)
             RT = 8
-            pipe, bgl = self._ib_pipeline(SCORES_DECODE, 5, f16, {"DV": DV, "S": S, "BS": BS, "WG": SCORES_DECODE_WG,
+            pipe, bgl = self._ib_pipeline(SCORES_DECODE, f16, {"DV": DV, "S": S, "BS": BS, "WG": SCORES_DECODE_WG,
                                                                   "NR": 4 if rows_per_seq <= 4 else 8})
         else:
             RT = score_rows_per_item(rows_per_seq)
@@ -304,7 +280,7 @@ class IndexBranchMixin:
                                        f"workgroup memory for the block scores, the device has "
                                        f"{ctx.workgroup_storage} [R18]")
             DCV = fits[0]
-            pipe, bgl = self._ib_pipeline(SCORES, 5, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV, "RT": RT})
+            pipe, bgl = self._ib_pipeline(SCORES, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV, "RT": RT})
 
         per_q = max(Hkv * DV * 16, Hkv * msb * 4)
         # a batch of queries: its index queries, its outputs and its query_end plus >= 1 work item fit
@@ -405,7 +381,7 @@ class IndexBranchMixin:
         if cap < 1:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs more than {ctx.workgroup_storage} bytes of "
                                    "workgroup memory [R18]")
-        pipe, bgl = self._ib_pipeline(TOPK, 3, False, {"WG": TOPK_WG, "CAP": cap})
+        pipe, bgl = self._ib_pipeline(TOPK, False, {"WG": TOPK_WG, "CAP": cap})
         lo_passes = -(-int(msb - 1).bit_length() // 8)
         bits = p.scores.view(np.uint32).reshape(Tq, Hkv * msb)
         local = p.local_block.astype(np.int32)

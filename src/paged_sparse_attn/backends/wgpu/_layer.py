@@ -31,8 +31,8 @@ from ..._index import query_positions, run_starts
 from ..._layout import BatchLayout
 from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
-from ._device import destroy_all, device_errors
-from ._shaders import shader_source
+from ._device import after_device_error, destroy_all, device_errors
+from ._kernels import pipeline
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read
 
@@ -91,12 +91,7 @@ class DeviceRuntime:
                 raise
 
     def _after_error(self, exc: BaseException) -> None:
-        """The backend's device-loss policy: a lost device is closed, so that the next call opens
-        a new one (device arrays of the old one then say they must be uploaded again)."""
-        from ...errors import DeviceError
-
-        if isinstance(exc, DeviceError) and self.be._device_lost():
-            self.be.close()
+        after_device_error(self.be, exc)  # the backend's one device-loss policy
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -105,30 +100,6 @@ class DeviceRuntime:
                                           label=f"plan.{label}")
         (self.bufs if owner is None else owner).append(b)
         return b
-
-    def _pipeline(self, kernel: str, entry: str, kinds: list, constants: dict):
-        import wgpu
-
-        ctx = self.ctx
-        key = ("layer", kernel, entry, tuple(sorted(constants.items())))
-        hit = ctx.pipelines.get(key)
-        if hit is None:
-            lkey = ("layer", kernel)
-            if lkey not in ctx.layouts:
-                t = {"u": wgpu.BufferBindingType.uniform, "r": wgpu.BufferBindingType.read_only_storage,
-                     "w": wgpu.BufferBindingType.storage}
-                entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": t[k]}}
-                           for i, k in enumerate(kinds)]
-                bgl = ctx.device.create_bind_group_layout(entries=entries)
-                ctx.layouts[lkey] = (bgl, ctx.device.create_pipeline_layout(bind_group_layouts=[bgl]))
-            bgl, pl = ctx.layouts[lkey]
-            with device_errors(f"pipeline creation of {kernel}:{entry}", **constants):
-                module = ctx.device.create_shader_module(code=shader_source(kernel), label=kernel)
-                pipe = ctx.device.create_compute_pipeline(
-                    layout=pl, compute={"module": module, "entry_point": entry, "constants": constants},
-                    label=f"{kernel}:{entry}")
-            hit = ctx.pipelines[key] = (pipe, bgl)
-        return hit
 
     def _build(self, L: BatchLayout) -> None:
         import wgpu
@@ -232,10 +203,9 @@ class DeviceRuntime:
 
         # pipelines and bind groups
         cst = {"WG": INV_WG, "DECODE": int(decode), "TILE": TILE}
-        inv_kinds = ["u", "r", "r", "w", "r", "w", "w", "w", "w"]
-        self.p_inv = {e: self._pipeline(INVERT, e, inv_kinds, cst)
+        self.p_inv = {e: pipeline(ctx, INVERT, cst, entry=e)
                       for e in (["mark", "scatter", "finalize"] + (["direct"] if decode else ["item_flags", "items"]))}
-        self.p_scan = {e: self._pipeline(SCAN, e, ["u", "r", "w"], {"WG": SCAN_WG}) for e in ("tiles", "totals")}
+        self.p_scan = {e: pipeline(ctx, SCAN, {"WG": SCAN_WG}, entry=e) for e in ("tiles", "totals")}
         f16 = itemsize == 2
         self.p_part = be._pipeline(geom.kernel if decode else "psa_partials.wgsl", f16, geom.constants())
         self.p_merge = be._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
@@ -690,7 +660,7 @@ class DeviceRuntime:
                 calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
         sp.n_score_calls = len(calls)
         cap = min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
-        tpipe, tbgl = be._ib_pipeline(TOPK, 3, False, {"WG": TOPK_WG, "CAP": cap, "KEYS": 1})
+        tpipe, tbgl = be._ib_pipeline(TOPK, False, {"WG": TOPK_WG, "CAP": cap, "KEYS": 1})
         lo_passes = -(-int(msb - 1).bit_length() // 8)
         for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
             records.append(_record(f2, cnt, gx, msb, k_out, Hkv, lo_passes))

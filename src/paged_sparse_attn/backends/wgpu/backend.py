@@ -27,10 +27,11 @@ from ..._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Par
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
-from ._decode import DECODE, KERNELS, choose_decode_geometry, decode_ineligible
-from ._device import (DRIVER_HINT, INSTALL_HINT, DeviceContext, create_shader_module, destroy_all, device_errors,
+from ._decode import KERNELS, choose_decode_geometry, decode_ineligible
+from ._device import (DRIVER_HINT, after_device_error, INSTALL_HINT, DeviceContext, destroy_all, device_errors,
                       open_device, subgroup_size)
 from ._index_branch import IndexBranchMixin
+from ._kernels import pipeline
 from ._profiling import ProfilingMixin
 from ._resident import MERGE_WG, ResidentMixin, layout_bytes
 from ._plan import (
@@ -42,7 +43,6 @@ from ._plan import (
     plan_forward,
     plan_partials,
 )
-from ._shaders import shader_source
 from ._tensors import WgpuTensor
 from ._tensors import upload as upload_tensor
 from ._transfer import CallBuffers, bind_group
@@ -51,10 +51,6 @@ __all__ = ["WgpuBackend", "WgpuArray", "WgpuTensor"]
 
 PARTIALS = "psa_partials.wgsl"
 MERGE = "psa_merge.wgsl"
-UNIT_KERNELS = frozenset({"psa_partials_decode.wgsl"})  # caches bound as vec4<u32>, one text for all dtypes
-# Kernels whose every index the host proves in range (validated index, planner-built records):
-# the only ones that may be compiled without runtime checks.
-TRUSTED_KERNELS = frozenset({"psa_partials.wgsl", "psa_partials_decode.wgsl", "psa_merge.wgsl"})
 PARAM_BYTES = 32
 MAX_QUERIES = 4096  # timestamp queries per query set (wgpu's limit)
 
@@ -162,7 +158,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         self._profiling = False  # profile_forward: timestamps on every pass
         self._one_pass = False  # profile_forward: one timed pass for the whole call, as forward() encodes it
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call
-        self._runtime_checks = bool(runtime_checks)  # False: TRUSTED_KERNELS compiled without them
+        self._runtime_checks = bool(runtime_checks)  # False: the table's trusted kernels compiled without them
 
     # --- availability and device ---------------------------------------------------------------
 
@@ -249,39 +245,10 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- pipelines ---------------------------------------------------------------------------------
 
-    def _bind_layout(self, kernel: str):
-        import wgpu
-
-        ctx = self._device()
-        if kernel not in ctx.layouts:
-            ro = {"type": wgpu.BufferBindingType.read_only_storage}
-            rw = {"type": wgpu.BufferBindingType.storage}
-            un = {"type": wgpu.BufferBindingType.uniform}
-            kinds = [un, ro, ro, ro, ro, rw, rw] if kernel in (PARTIALS, DECODE) else [un, ro, ro, ro, rw, rw]
-            entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": k}
-                       for i, k in enumerate(kinds)]
-            with device_errors(f"bind group layout of {kernel}"):
-                bgl = ctx.device.create_bind_group_layout(entries=entries)
-                pl = ctx.device.create_pipeline_layout(bind_group_layouts=[bgl])
-            ctx.layouts[kernel] = (bgl, pl)
-        return ctx.layouts[kernel]
-
     def _pipeline(self, kernel: str, f16: bool, constants: dict[str, int]):
-        ctx = self._device()
-        f16 = f16 and kernel not in UNIT_KERNELS  # they read the caches as 16-byte units (EU constant)
-        checks = self._runtime_checks or kernel not in TRUSTED_KERNELS
-        key = (kernel, f16, checks, tuple(sorted(constants.items())))
-        hit = ctx.pipelines.get(key)
-        if hit is None:
-            bgl, pl = self._bind_layout(kernel)
-            with device_errors(f"pipeline creation of {kernel}", f16=f16, **constants):
-                module = create_shader_module(ctx.device, shader_source(kernel, f16=f16), kernel, checks=checks)
-                pipe = ctx.device.create_compute_pipeline(
-                    layout=pl, compute={"module": module, "entry_point": "main", "constants": constants},
-                    label=kernel)
-            hit = (pipe, bgl)
-            ctx.pipelines[key] = hit
-        return hit
+        """A pipeline of the kernel table (``_kernels``); attention kernels without runtime checks
+        unless ``runtime_checks=True``."""
+        return pipeline(self._device(), kernel, constants, f16=f16, checks=self._runtime_checks)
 
     # --- plans and device arrays (R30, R32) -------------------------------------------------------
 
@@ -423,10 +390,9 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 try:
                     self._run_locked(problem, index, mode, o, ml)
                     return
-                except DeviceError:
-                    if not self._device_lost():
+                except DeviceError as exc:
+                    if not after_device_error(self, exc):  # (closed when lost: a new device next time)
                         raise
-                    self.close()  # a new device is opened on the next use
                     if attempt or resident:  # resident caches died with the device: the caller re-uploads
                         raise
                     # host inputs only: nothing was lost but the device; run again on a new one
