@@ -268,13 +268,6 @@ def test_bench_passes_arguments_through(app, monkeypatch):
     assert seen == [["--json", "out.json", "--plot", "out.png", "--quick"]]
 
 
-def test_bench_missing_is_one_line(app, monkeypatch):
-    monkeypatch.setitem(sys.modules, "paged_sparse_attn.bench", None)
-    res = invoke(app, ["bench", "--json", "x.json"])
-    assert res.exit_code == 2
-    assert res.stderr.strip().count("\n") == 0 and "paged_sparse_attn.bench" in res.stderr
-
-
 @pytest.mark.parametrize("extra, want", [
     ([], {}),
     (["--profile", "thorough"], {"profile": "thorough"}),

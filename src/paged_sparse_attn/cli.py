@@ -10,7 +10,6 @@ a traceback. Exit codes: 0 success; 1 a backend disagreed with the reference or 
 # No ``from __future__ import annotations``: typer reads the commands' annotations at runtime.
 
 import functools
-import importlib
 import json
 import math
 import sys
@@ -114,16 +113,6 @@ def _fmt(x: Optional[float], spec: str = ".2e") -> str:
     if isinstance(x, float) and math.isinf(x):
         return "inf"
     return format(x, spec)
-
-
-def _import_optional(module: str, what: str) -> Any:
-    """Import a module of this package that another extra or component provides, or fail in one line."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        if getattr(exc, "name", None) == module:
-            raise _CliError(f"{what} is not available in this installation ({module} not found)") from None
-        raise _CliError(f"{what} could not be imported: {type(exc).__name__}: {exc}") from None
 
 
 class _CliError(Exception):
@@ -244,11 +233,9 @@ def build_app():  # -> typer.Typer
     @guarded
     def bench(ctx: typer.Context) -> None:
         """Run the benchmarks; every option (--json, --plot, ...) is passed through to paged_sparse_attn.bench."""
-        mod = _import_optional("paged_sparse_attn.bench", "the benchmark suite")
-        main_fn = getattr(mod, "main", None)
-        if not callable(main_fn):
-            raise _CliError("the benchmark suite has no main(argv) entry point (paged_sparse_attn.bench.main)")
-        rc = main_fn(list(ctx.args))
+        from . import bench as bench_mod  # a subpackage of this wheel (its plots need the bench extra)
+
+        rc = bench_mod.main(list(ctx.args))
         raise typer.Exit(int(rc or 0))
 
     # ------------------------------------------------------------------------------------- check
@@ -265,10 +252,7 @@ def build_app():  # -> typer.Typer
     ) -> None:
         """The conformance kit (paged_sparse_attn.testing.run_conformance) on one backend."""
         be = registry.get_backend(backend)  # fail early, in one line, if it cannot run here
-        mod = _import_optional("paged_sparse_attn.testing", "the conformance kit")
-        run = getattr(mod, "run_conformance", None)
-        if not callable(run):
-            raise _CliError("the conformance kit has no run_conformance() (paged_sparse_attn.testing)")
+        from .testing import run_conformance as run  # a subpackage of this wheel
         typer.echo(f"checking backend {backend!r} ({be.capabilities.device})", err=True)
         kwargs: Dict[str, Any] = {}
         if profile is not None:

@@ -13,7 +13,6 @@ line (``paged-sparse-attn demo``) renders its ``DemoReport``.
 
 from __future__ import annotations
 
-import importlib
 import math
 import statistics
 import time
@@ -275,22 +274,14 @@ def make_problem(sizes: DemoSizes = DemoSizes(), seed: int = 0,
 
 def choose_blocks(q, k_cache, block_tables, cu_seqlens_q, used_kv_lens, *, block_size: int, topk: int,
                   rng: np.random.Generator) -> tuple[np.ndarray, str]:
-    """Blocks from the index branch when the package has one, else random top-k + local block.
+    """Blocks chosen by the index branch (block scores, top-k with the local block forced).
 
     The demo has no trained index projections: the index query of (t, h) is the mean of the
     queries of KV head h's group and the index keys are the keys. The selection is computed once,
     on the numpy backend, so every backend attends the same blocks.
     """
-    try:
-        ib = importlib.import_module("paged_sparse_attn.index_branch")
-        block_scores, select_topk = ib.block_scores, ib.select_topk
-    except (ImportError, AttributeError) as exc:
-        why = ("paged_sparse_attn.index_branch is not installed" if getattr(exc, "name", None)
-               == "paged_sparse_attn.index_branch" else f"index branch unavailable: {exc}")
-        sel = random_local_topk(cu_seqlens_q, used_kv_lens, num_kv_heads=k_cache.shape[1],
-                                msb=block_tables.shape[1] // (block_size // k_cache.shape[2]),
-                                block_size=block_size, topk=topk, rng=rng)
-        return sel, f"chosen at random, local block included ({why})"
+    from .index_branch import block_scores, select_topk
+
     Tq, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     index_q = q.astype(np.float32).reshape(Tq, Hkv, Hq // Hkv, D).mean(axis=2).astype(q.dtype)

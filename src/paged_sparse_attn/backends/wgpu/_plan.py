@@ -615,15 +615,13 @@ def plan_partials(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) 
     return plans
 
 
-def grid_dispatches(n_groups: int, max_per_dim: int, *, max_total: int | None = None):
+def grid_dispatches(n_groups: int, max_per_dim: int):
     """Split ``n_groups`` workgroups into dispatches of 2-D grids within ``max_per_dim``.
 
     Yields ``(first, count, grid_x, grid_y)``; the kernel linearises ``y * grid_x + x`` and
     ignores ids >= count.
     """
     per = max_per_dim * max_per_dim
-    if max_total is not None:
-        per = max(1, min(per, max_total))
     first = 0
     while first < n_groups:
         count = min(per, n_groups - first)
