@@ -295,13 +295,6 @@ def test_check_unavailable_backend_is_refused_before_the_suite_R18(app, monkeypa
     assert res.stderr.strip().count("\n") == 0 and "[R18]" in res.stderr
 
 
-def test_check_without_kit_is_one_line(app, monkeypatch):
-    monkeypatch.setitem(sys.modules, "paged_sparse_attn.testing", None)
-    res = invoke(app, ["check", "--backend", "numpy"])
-    assert res.exit_code == 2
-    assert res.stderr.strip().count("\n") == 0 and "conformance kit" in res.stderr
-
-
 def test_check_requires_backend(app):
     res = invoke(app, ["check"])
     assert res.exit_code == 2 and "--backend" in res.output
