@@ -351,14 +351,6 @@ def test_random_selection_keeps_local_block_R9():
                 assert len(set(ids.tolist())) == len(ids) == min(3, last // 32 + 1)
 
 
-def test_fallback_without_index_branch_says_so(monkeypatch):
-    monkeypatch.setitem(sys.modules, "paged_sparse_attn.index_branch", None)
-    p = demo.make_problem(SMALL_SIZES, seed=1)
-    assert "at random" in p.selection and "not installed" in p.selection
-    psa.build_kvouter_index(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                            block_size=32, page_size=8, causal=True)  # a valid selection (R6)
-
-
 def test_sparsity_counts_match_attended_sets_R9():
     p = demo.make_problem(SMALL_SIZES, seed=2)
     S, BS = 8, 32
