@@ -86,14 +86,20 @@ def _index_inputs(lw: LayerWorkload, prob: dict, seed: int):
     return iqs, ik
 
 
+def _plan(be, lw: LayerWorkload, prob: dict):
+    """The workload's plan on ``be``: attention and the index branch (one shared index key head)."""
+    w = lw.w
+    return plan_attention(prob["block_tables"], prob["cu_seqlens_q"], prob["used_kv_lens"], block_size=w.block_size,
+                          page_size=w.page_size, num_q_heads=w.Hq, num_kv_heads=w.Hkv, head_dim=w.D,
+                          kv_dtype=w.dtype, topk=w.topk, causal=w.causal, index_dim=lw.index_dim, num_index_heads=1,
+                          index_dtype=w.dtype, backend=be)
+
+
 def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
     w = lw.w
     kd, vd = be.upload_kv_cache(prob["k_cache"], prob["v_cache"])
     ikd = be.upload_index_cache(ik)
-    plan = plan_attention(prob["block_tables"], prob["cu_seqlens_q"], prob["used_kv_lens"],
-                          block_size=w.block_size, page_size=w.page_size, num_q_heads=w.Hq, num_kv_heads=w.Hkv,
-                          head_dim=w.D, kv_dtype=w.dtype, topk=w.topk, causal=w.causal, index_dim=lw.index_dim,
-                          num_index_heads=1, index_dtype=w.dtype, backend=be)
+    plan = _plan(be, lw, prob)
     qd = [be.asarray(q) for q in qs]
     iqd = [be.asarray(iq) for iq in iqs]
     sd = be.asarray(prob["selected"])
@@ -125,10 +131,7 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
         tb = type(be)(timestamps=True)
         kt, vt = tb.upload_kv_cache(prob["k_cache"], prob["v_cache"])
         ikt = tb.upload_index_cache(ik)
-        pt = plan_attention(prob["block_tables"], prob["cu_seqlens_q"], prob["used_kv_lens"],
-                            block_size=w.block_size, page_size=w.page_size, num_q_heads=w.Hq, num_kv_heads=w.Hkv,
-                            head_dim=w.D, kv_dtype=w.dtype, topk=w.topk, causal=w.causal, index_dim=lw.index_dim,
-                            num_index_heads=1, index_dtype=w.dtype, backend=tb)
+        pt = _plan(tb, lw, prob)
         splits = []
         for i in range(max(5, repeat)):
             pt.run_sparse(qs[i % L], kt, vt, iqs[i % L], ikt)
