@@ -47,5 +47,8 @@ class HostRuntime:
     def update(self, layout: BatchLayout) -> None:
         self.layout = layout
 
+    def flush(self) -> None:
+        """Nothing is deferred on this path."""
+
     def close(self) -> None:
         pass

@@ -108,6 +108,7 @@ class WgpuTensor(DeviceArray):
             self._owner.release()
             return
         with self.backend._lock:
+            self.backend._flush_plans()  # layers not submitted yet may read it
             self._buffer = None
         self._finalizer()
 
@@ -171,6 +172,7 @@ class CallResult:
 
     def release(self) -> None:
         with self.backend._lock:
+            self.backend._flush_plans()  # a layer not submitted yet may write it
             self._buffer = None
         self._finalizer()
 
