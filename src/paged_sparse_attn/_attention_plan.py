@@ -230,17 +230,6 @@ class AttentionPlan:
             self._runtime.update(new)
             self.layout = new
 
-    def flush(self) -> None:
-        """Submit the layers the backend has encoded but not submitted yet.
-
-        A device runtime may group layers whose inputs and outputs are all device arrays into one
-        submission (the wgpu backend: up to 4); it submits them as soon as anything needs them (a
-        result read, a host input, a page write, a release), so results never depend on this.
-        Call it before timing the device by other means, or to start the work early.
-        """
-        with self._lock:
-            self._runtime.flush()
-
     def close(self) -> None:
         """Release what the runtime holds (device buffers)."""
         with self._lock:

@@ -47,8 +47,5 @@ class HostRuntime:
     def update(self, layout: BatchLayout) -> None:
         self.layout = layout
 
-    def flush(self) -> None:
-        """Nothing is deferred on this path."""
-
     def close(self) -> None:
         pass

@@ -191,7 +191,6 @@ class WgpuArray(DeviceArray):
         Waits for a call of the backend in progress on another thread (it may be reading it).
         """
         with self.backend._lock:
-            self.backend._flush_plans()  # layers not submitted yet may read it
             self._buffers = None
         self._finalizer()  # destroys the buffers (once)
 

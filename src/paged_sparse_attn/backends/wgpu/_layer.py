@@ -49,10 +49,6 @@ REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment;
 # uniform records of the consts buffer
 R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
 POOL = 8  # result buffers kept for reuse
-# Layers whose inputs and outputs are all on the device are encoded into one command encoder and
-# submitted together, every FLUSH_EVERY layers or as soon as anything needs them (a result read,
-# a host input, a page write, a release): a submission costs the host about as much as a layer.
-FLUSH_EVERY = 4
 
 
 def _grid(n: int, maxdim: int) -> tuple[int, int]:
@@ -81,8 +77,6 @@ class DeviceRuntime:
         self.be = backend
         self.bufs: list = []
         self.pool: list = []  # result buffers of device calls whose results were dropped
-        self._enc = None  # the command encoder of layers not submitted yet (see FLUSH_EVERY)
-        self._pending: list = []  # what those layers bind: kept alive until they are submitted
         self.layout = layout
         self.fallback = None  # a HostRuntime for calls the device path cannot take
         self.sparse = None  # the index branch's buffers, made by the first run_sparse
@@ -254,7 +248,6 @@ class DeviceRuntime:
 
     def update(self, layout: BatchLayout) -> None:
         with self.be._lock:
-            self.flush()  # the layers encoded so far read the old layout
             self.layout = layout
             if self.fallback is not None:
                 self.fallback.update(layout)
@@ -273,26 +266,15 @@ class DeviceRuntime:
                                              usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
                                              | wgpu.BufferUsage.COPY_DST, label="results")
 
-    def flush(self) -> None:
-        """Submit the layers encoded and not submitted yet (nothing to do when there are none)."""
-        if self._enc is not None:
-            enc, self._enc = self._enc, None
-            keep, self._pending = self._pending, []
-            with device_errors("submission of deferred layers", layers=len(keep)):
-                self.ctx.device.queue.submit([enc.finish()])
-            del keep  # (what they bind may be destroyed once submitted)
-
     def _read_results(self, buf, nbytes: int) -> np.ndarray:
         """Bytes of a device call's result buffer, through the plan's mapped readback buffer (one
         copy, one submit, one map: no staging buffer made per read)."""
         self._live()
         dev = self.ctx.device
         with device_errors("readback of results", bytes=nbytes):
-            enc = self._enc or dev.create_command_encoder(label="paged_sparse_attn.readback")
-            keep, self._enc, self._pending = self._pending, None, []  # deferred layers go with this submission
+            enc = dev.create_command_encoder(label="paged_sparse_attn.readback")
             enc.copy_buffer_to_buffer(buf, 0, self.rb, 0, nbytes)
             dev.queue.submit([enc.finish()])
-            del keep  # (what they bind may be destroyed once submitted)
             try:
                 return np.frombuffer(map_read(self.rb, nbytes), dtype=np.uint8).copy()
             finally:
@@ -302,11 +284,8 @@ class DeviceRuntime:
     def _recycle(self, buf) -> None:
         """Take back the buffer of results nobody refers to (kept for the next calls, up to 8)."""
         if self.bufs and self.generation == self.be._generation and len(self.pool) < POOL:
-            self.pool.append(buf)  # (a deferred layer writing it comes before any reuse: queue order)
+            self.pool.append(buf)
         else:
-            with self.be._lock:
-                if self._enc is not None:
-                    self.flush()  # a deferred layer may still write it
             destroy_all([buf])
 
     def _drop_sparse(self) -> None:
@@ -315,11 +294,6 @@ class DeviceRuntime:
             self.sparse = None
 
     def close(self) -> None:
-        try:
-            self.flush()
-        except Exception:
-            pass  # (a lost device: nothing to submit to)
-        self.be._deferring.discard(self)
         self._drop_sparse()
         destroy_all(self.pool)
         self.pool = []
@@ -517,16 +491,8 @@ class DeviceRuntime:
         for a in (k, v):
             a.buffers()  # raises now if released or from a lost device
         timed = self._timing_setup()
-        # every per-layer input on the device and the outputs left there: encode after the
-        # layers not submitted yet, submit every FLUSH_EVERY layers (else submit them all now)
-        index_q = None if sparse is None else sparse[1]
-        defer = (device_out and not timed and (sel is None or isinstance(sel, DeviceArray))
-                 and (index_q is None or isinstance(index_q, DeviceArray)))
-        if not defer:
-            self.flush()  # host writes below must not overtake the layers encoded before
         with device_errors(f"{fn} ({self.geometry['kernel']} kernel)", Tq=self.Tq, edges=self.emax):
-            enc = self._enc or dev.create_command_encoder(label="paged_sparse_attn.layer")
-            self._enc = None
+            enc = dev.create_command_encoder(label="paged_sparse_attn.layer")
             if sparse is None:
                 self._encode(enc, q, k, v, sel)
             else:
@@ -542,14 +508,7 @@ class DeviceRuntime:
             if timed:
                 self._timings(enc, sparse is not None)
             t1 = time.perf_counter()
-            if defer:
-                self._enc = enc
-                self._pending.append((q, k, v, sel, index_q, sparse and sparse[2]))
-                self.be._deferring.add(self)
-                if len(self._pending) >= FLUSH_EVERY:
-                    self.flush()
-            else:
-                dev.queue.submit([enc.finish()])
+            dev.queue.submit([enc.finish()])
             t2 = time.perf_counter()
             if device_out:
                 self.be.last_timings = dict(timings, encode_s=t1 - t0, submit_s=t2 - t1, total_s=t2 - t0)
@@ -592,7 +551,6 @@ class DeviceRuntime:
     def kvouter_index(self, sel) -> KVOuterIndex:
         from ..host_runtime import HostRuntime
 
-        self.flush()
         L = self.layout
         if self.empty:
             return HostRuntime(self.be, L).kvouter_index(np.full((L.num_queries, L.num_kv_heads, L.topk), -1, np.int32))

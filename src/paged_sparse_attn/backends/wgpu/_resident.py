@@ -112,7 +112,6 @@ class ResidentMixin:
 
     def _write_pages_locked(self, arr: WgpuArray, page_ids, pages) -> None:
         fn = "update_pages"
-        self._flush_plans()  # deferred layers read the pages as they were
         self._own(arr, fn)
         P, Hkv, S, D = arr.shape
         ids = np.asarray(page_ids)

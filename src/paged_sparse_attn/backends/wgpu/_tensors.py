@@ -108,7 +108,6 @@ class WgpuTensor(DeviceArray):
             self._owner.release()
             return
         with self.backend._lock:
-            self.backend._flush_plans()  # layers not submitted yet may read it
             self._buffer = None
         self._finalizer()
 
@@ -172,7 +171,6 @@ class CallResult:
 
     def release(self) -> None:
         with self.backend._lock:
-            self.backend._flush_plans()  # a layer not submitted yet may write it
             self._buffer = None
         self._finalizer()
 

@@ -138,7 +138,6 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"WgpuBackend(): max_device_bytes must be >= 1, got {max_device_bytes}")
         self._max_bytes = None if max_device_bytes is None else int(max_device_bytes)
         self._resident: weakref.WeakSet = weakref.WeakSet()  # live WgpuArrays (memory accounting)
-        self._deferring: weakref.WeakSet = weakref.WeakSet()  # plan runtimes with layers not submitted
         self._lock = threading.RLock()
         self._generation = 0
         self._ctx: DeviceContext | None = None
@@ -294,16 +293,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         with self._lock:
             return upload_tensor(self, self._device(), np.asarray(a), "array")
 
-    def _flush_plans(self) -> None:
-        """Submit every plan's deferred layers (before a write to, or the release of, a buffer
-        they may read)."""
-        for rt in list(self._deferring):
-            rt.flush()
-        self._deferring.clear()
-
     def _read_range(self, buf, offset: int, nbytes: int) -> memoryview:
         """Bytes ``offset:offset+nbytes`` of a device buffer (waits for the work that writes it)."""
-        self._flush_plans()
         with device_errors("readback", bytes=nbytes):
             return self._device().device.queue.read_buffer(buf, offset, nbytes)
 
