@@ -1,0 +1,57 @@
+"""The wgpu plan runtime with device arrays (R30, R32): device inputs dropped at once, page writes
+and decode steps between layers; every result equals the plain call's."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+import paged_sparse_attn as psa
+
+
+def _decode(seed, B=3, Hkv=2, G=2, D=8, S=4, BS=8, pages=4, topk=2):
+    rng = np.random.default_rng(seed)
+    P = B * pages
+    bt = rng.permutation(P).reshape(B, pages).astype(np.int32)
+    lens = rng.integers(1, pages * S + 1, size=B).astype(np.int32)
+    cu = np.arange(B + 1, dtype=np.int32)
+    msb = pages // (BS // S)
+    sel = np.stack([rng.permutation(msb)[:topk] for _ in range(B * Hkv)]).reshape(B, Hkv, topk).astype(np.int32)
+    k = rng.standard_normal((P, Hkv, S, D), dtype=np.float32)
+    v = rng.standard_normal((P, Hkv, S, D), dtype=np.float32)
+    qs = [rng.standard_normal((B, Hkv * G, D), dtype=np.float32) for _ in range(7)]
+    return dict(bt=bt, lens=lens, cu=cu, sel=sel, k=k, v=v, qs=qs, S=S, BS=BS, Hkv=Hkv, G=G, D=D, topk=topk)
+
+
+def test_R32_device_layers_equal_single_calls_with_temporaries_dropped_at_once(WgpuBackend):
+    be = WgpuBackend()
+    c = _decode(1)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = psa.plan_attention(c["bt"], c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
+                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
+                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    # device inputs made inline and dropped at once
+    outs = [plan.run(be.asarray(q), kd, vd, be.asarray(c["sel"])) for q in c["qs"]]
+    gc.collect()
+    for q, o in zip(c["qs"], outs):
+        want = plan.run(q, kd, vd, c["sel"])  # host q and selection
+        np.testing.assert_array_equal(o.numpy(), want)
+    # a page write between layers: the layer before it sees the old page, the one after the new one
+    o1 = plan.run(be.asarray(c["qs"][0]), kd, vd, be.asarray(c["sel"]))
+    new_k = c["k"].copy()
+    new_k[c["bt"][0, 0]] += 1.0
+    kd.write_pages([int(c["bt"][0, 0])], new_k[[c["bt"][0, 0]]])
+    o2 = plan.run(be.asarray(c["qs"][0]), kd, vd, be.asarray(c["sel"]))
+    kw = dict(used_kv_lens=c["lens"], block_size=c["BS"], causal=True)
+    np.testing.assert_array_equal(o1.numpy(), psa.forward(c["qs"][0], c["k"], c["v"], c["bt"], c["sel"], c["cu"],
+                                                          backend=be, **kw))
+    np.testing.assert_array_equal(o2.numpy(), psa.forward(c["qs"][0], new_k, c["v"], c["bt"], c["sel"], c["cu"],
+                                                          backend=be, **kw))
+    # a decode step after a layer: that layer keeps the lengths it ran with
+    o3 = plan.run(be.asarray(c["qs"][1]), kd, vd, be.asarray(c["sel"]))
+    plan.update(used_kv_lens=np.minimum(c["lens"] + 1, c["bt"].shape[1] * c["S"]).astype(np.int32))
+    np.testing.assert_array_equal(o3.numpy(), psa.forward(c["qs"][1], new_k, c["v"], c["bt"], c["sel"], c["cu"],
+                                                          backend=be, **kw))
+    plan.close()
+    be.close()
