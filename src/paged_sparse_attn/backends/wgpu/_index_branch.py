@@ -265,6 +265,8 @@ class IndexBranchMixin:
         rows_per_seq = int(T.max(initial=1)) * (Hkv if Hk == 1 else 1)
         f16 = np.dtype(ik.dtype).itemsize == 2
         DCV = 0
+        if self._batch_invariant:  # R27: one kernel and one tile whatever the batch
+            rows_per_seq = SCORES_WG
         if rows_per_seq <= 8 and 8 * DV * 16 + 32 <= ctx.workgroup_storage:
             # decode: items of at most 8 rows read their keys one row per invocation (measured on
             # the H200: 501 us with the tiled kernel's best stage for the decode layer's 8192 items)

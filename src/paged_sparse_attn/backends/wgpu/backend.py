@@ -53,6 +53,9 @@ PARTIALS = "psa_partials.wgsl"
 MERGE = "psa_merge.wgsl"
 PARAM_BYTES = 32
 MAX_QUERIES = 4096  # timestamp queries per query set (wgpu's limit)
+# batch_invariant=True: the generic kernel's geometry as if every slot group had this many edges,
+# whatever the batch (the rows of an item and its tiles then never depend on other sequences)
+BATCH_INVARIANT_SLOT_EDGES = 4
 
 
 def _u32_record(*vals) -> np.ndarray:
@@ -102,6 +105,11 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         with :class:`~paged_sparse_attn.UnsupportedError` before anything is allocated. Default:
         no limit of its own (WebGPU does not report free device memory; an allocation the
         device cannot make raises :class:`~paged_sparse_attn.DeviceError`).
+    batch_invariant : bool
+        Bits of every row independent of the rest of the batch (R27): the generic partials kernel
+        with one geometry for every batch, and the tiled block-score kernel with one tile, instead
+        of kernels and tiles chosen from the batch layout (the decode kernels). Off by default:
+        it costs decode speed (see the backend's page). Declared in ``capabilities``.
     runtime_checks : bool
         Compile the attention kernels (partials, merge) with naga's runtime checks (every index
         clamped, every loop bounded). Default ``False``: those kernels only index with values
@@ -122,7 +130,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                  max_binding_size: int | None = None, max_workgroups_per_dim: int | None = None,
                  disable_features: tuple[str, ...] = (), workgroup_size: int | None = None,
                  timestamps: bool = False, max_device_bytes: int | None = None,
-                 partials_kernel: str = "auto", runtime_checks: bool = False):
+                 partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"WgpuBackend(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
@@ -133,6 +141,10 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"WgpuBackend(): partials_kernel must be 'auto', 'generic' or 'decode', "
                              f"got {partials_kernel!r}")
         self._kernel = partials_kernel
+        if batch_invariant and partials_kernel == "decode":
+            raise ValueError("WgpuBackend(): batch_invariant=True runs the generic partials kernel; it cannot be "
+                             "combined with partials_kernel='decode'")
+        self._batch_invariant = bool(batch_invariant)
         self._kernel_override: str | None = None  # profile_forward(kernel=...)
         if max_device_bytes is not None and int(max_device_bytes) < 1:
             raise ValueError(f"WgpuBackend(): max_device_bytes must be >= 1, got {max_device_bytes}")
@@ -232,7 +244,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 max_page_size=128,
                 max_block_size=None,
                 device_arrays=True,
-                deterministic=True, batch_invariant=False, index_branch=True,
+                deterministic=True, batch_invariant=self._batch_invariant, index_branch=True,
                 features=frozenset(ctx.features),
                 limits=limits,
                 device=ctx.summary,
@@ -440,7 +452,9 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         every step); refusals are not kept.
         """
         index = view.index
-        key = (self._kernel_override or self._kernel, self._wg, self._decode_wg, self._decode_pf,
+        if self._batch_invariant:  # R27: one geometry whatever the batch (the generic kernel, fixed rows)
+            view = SimpleNamespace(max_slot_edges=BATCH_INVARIANT_SLOT_EDGES, index=index)
+        key = (self._kernel_override or self._kernel, self._batch_invariant, self._wg, self._decode_wg, self._decode_pf,
                tuple(sorted(self._tune.items())),
                D, G, itemsize,
                index.page_size, index.block_size, view.max_slot_edges)
@@ -453,7 +467,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
     def _choose_geometry(self, ctx: DeviceContext, view: IndexView, D: int, G: int, itemsize: int,
                          fn: str) -> Geometry:
         index = view.index
-        want = self._kernel_override or self._kernel
+        want = "generic" if self._batch_invariant else (self._kernel_override or self._kernel)
         if want != "generic":
             sg = subgroup_size(ctx)
             why = decode_ineligible(D=D, max_slot_edges=view.max_slot_edges, wg_limit=ctx.max_invocations,
