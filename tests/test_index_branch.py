@@ -27,7 +27,7 @@ from paged_sparse_attn.index_branch import (
     select_topk_reference,
     sparse_attention,
 )
-from paged_sparse_attn.index_branch import numpy_impl
+from paged_sparse_attn.backends import numpy_index as numpy_impl
 
 F32_EPS = float(np.finfo(np.float32).eps)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -130,7 +130,7 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
         from ._attention_plan import cached_plan
         from ._layout import layout_of
 
-        out, lse = checked_out_lse(be, "forward", cached_plan(layout_of(p), be)._runtime.run(
+        out, lse = checked_out_lse(be, "forward", cached_plan(layout_of(p), be)._run(
             p.q, p.k_cache, p.v_cache, p.selected), p.q.shape)
         return (out, lse) if return_lse else out
     index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ._api import check_capabilities, check_owner
+from ._host_runtime import HostRuntime
 from ._layout import BatchLayout, validate_layout
 from ._types import DeviceArray, KVOuterIndex
 from ._validation import _fail, check_float_array, check_int_array, check_selected
@@ -95,7 +96,8 @@ class AttentionPlan:
                            page_size=layout.page_size, block_size=layout.block_size, device_arrays=False)
         self.layout = layout
         self.backend = backend
-        self._runtime = backend.make_runtime(layout)
+        self._host = HostRuntime(backend, layout)  # the plain path (and the calls a runtime leaves to it)
+        self._runtime = backend.make_runtime(layout) or self._host
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -169,7 +171,7 @@ class AttentionPlan:
         sel = self._check_selected(fn, selected)
         self._check_owner(fn, q, k, v, sel)
         with self._lock:
-            out, lse = self._runtime.run(q, k, v, sel)
+            out, lse = self._run(q, k, v, sel)
         return (out, lse) if return_lse else out
 
     def run_sparse(self, q, k_cache, v_cache, index_q, index_k_cache, *, return_lse=False):
@@ -198,8 +200,17 @@ class AttentionPlan:
                                    heads=L.num_index_heads, dim=L.index_dim, dtype=L.index_dtype)
         self._check_owner(fn, q, k, v, iq, ik)
         with self._lock:
-            out, lse = self._runtime.run_sparse(q, k, v, iq, ik)
+            out, lse = self._run_sparse(q, k, v, iq, ik)
         return (out, lse) if return_lse else out
+
+    def _run(self, q, k, v, sel):
+        """A layer on validated tensors: the backend's runtime, or the plain path it leaves it to."""
+        res = self._runtime.run(q, k, v, sel)
+        return self._host.run(q, k, v, sel) if res is NotImplemented else res
+
+    def _run_sparse(self, q, k, v, iq, ik):
+        res = self._runtime.run_sparse(q, k, v, iq, ik)
+        return self._host.run_sparse(q, k, v, iq, ik) if res is NotImplemented else res
 
     def kvouter_index(self, selected) -> KVOuterIndex:
         """The R13 index of ``selected`` as this plan's runtime builds it (on the device for a
@@ -228,6 +239,8 @@ class AttentionPlan:
                         f"{list(new.block_tables.shape)}; make a new plan for a new batch", "R32")
         with self._lock:
             self._runtime.update(new)
+            if self._host is not self._runtime:
+                self._host.update(new)
             self.layout = new
 
     def close(self) -> None:
@@ -262,6 +275,8 @@ def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
                 and np.array_equal(old.used_kv_lens, layout.used_kv_lens)):
             with hit._lock:
                 hit._runtime.update(layout)
+                if hit._host is not hit._runtime:
+                    hit._host.update(layout)
                 hit.layout = layout
         return hit
     plan = AttentionPlan(layout, backend)

@@ -9,7 +9,7 @@ import numpy as np
 
 from ._types import KVOuterIndex
 
-__all__ = ["query_positions", "build_index_arrays", "run_starts"]
+__all__ = ["query_positions", "local_blocks", "build_index_arrays", "run_starts"]
 
 
 def query_positions(cu_seqlens_q: np.ndarray, used_kv_lens: np.ndarray, causal: bool):
@@ -33,6 +33,19 @@ def query_positions(cu_seqlens_q: np.ndarray, used_kv_lens: np.ndarray, causal: 
         hi = np.minimum(L, L - counts[seq] + i + 1)  # sees p <= L_b - T_b + i
     # --8<-- [end:causal]
     return seq, hi
+
+
+def local_blocks(cu: np.ndarray, lens: np.ndarray, block_size: int) -> np.ndarray:
+    """R24: the block holding query t's own position ``L_b - T_b + i``, or -1 when it is < 0.
+
+    The position is at most ``L_b - 1 <= msb * block_size - 1`` (R4), so the block id is < msb.
+    """
+    # --8<-- [start:local]
+    _, end = query_positions(cu, lens, causal=True)  # end = L_b - T_b + i + 1 (<= L_b)
+    pos = end - 1  # the query's own position
+    local = np.where(pos >= 0, pos // block_size, -1)
+    # --8<-- [end:local]
+    return np.ascontiguousarray(local, dtype=np.int32)
 
 
 def run_starts(s: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ a traceback. Exit codes: 0 success; 1 a backend disagreed with the reference or 
 
 import functools
 import json
+import importlib
 import math
 import sys
 from typing import Any, Callable, Dict, List, Optional
@@ -233,8 +234,7 @@ def build_app():  # -> typer.Typer
     @guarded
     def bench(ctx: typer.Context) -> None:
         """Run the benchmarks; every option (--json, --plot, ...) is passed through to paged_sparse_attn.bench."""
-        from . import bench as bench_mod  # a subpackage of this wheel (its plots need the bench extra)
-
+        bench_mod = importlib.import_module("paged_sparse_attn.bench")  # a subpackage of this wheel
         rc = bench_mod.main(list(ctx.args))
         raise typer.Exit(int(rc or 0))
 

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 import paged_sparse_attn as psa
-from paged_sparse_attn.index_branch.numpy_impl import (
+from paged_sparse_attn.backends.numpy_index import (
     block_scores_numpy,
     select_topk_numpy,
 )

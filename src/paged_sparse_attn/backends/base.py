@@ -16,7 +16,7 @@ from .._types import Availability, Capabilities, KVOuterIndex, Partials, Problem
 from ..errors import UnsupportedError
 
 if TYPE_CHECKING:  # for annotations only: index_branch imports this module
-    from ..index_branch._types import IndexProblem, TopkProblem
+    from .._types import IndexProblem, TopkProblem
 
 __all__ = ["Backend"]
 
@@ -140,15 +140,15 @@ class Backend(ABC):
         return False
 
     def make_runtime(self, layout):
-        """What this backend prepares for a planned batch layout (R32).
+        """What this backend prepares for a planned batch layout (R32), or None.
 
-        The default runs each layer through ``forward`` (the R13 index built on the host);
-        backends with device work to set up once (buffers, pipelines) return their own runtime
-        with the same methods (``run``, ``run_sparse``, ``kvouter_index``, ``update``, ``close``).
+        None (the default): the plan runs each layer through ``forward`` (the R13 index built on
+        the host). A backend with device work to set up once (buffers, pipelines) returns a
+        runtime with ``run``, ``run_sparse``, ``kvouter_index``, ``update`` and ``close``; its
+        ``run`` / ``run_sparse`` may return ``NotImplemented`` for a call it leaves to that plain
+        path (the plan then takes it).
         """
-        from .host_runtime import HostRuntime
-
-        return HostRuntime(self, layout)
+        return None
 
     def close(self) -> None:
         """Release device resources. The default has none."""

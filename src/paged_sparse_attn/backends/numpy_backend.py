@@ -79,12 +79,12 @@ class NumpyBackend(Backend):
 
     # index branch (R21-R25) lives in its own module
     def block_scores(self, problem):
-        from ..index_branch.numpy_impl import block_scores_numpy
+        from .numpy_index import block_scores_numpy
 
         return block_scores_numpy(problem)
 
     def select_topk(self, problem):
-        from ..index_branch.numpy_impl import select_topk_numpy
+        from .numpy_index import select_topk_numpy
 
         return select_topk_numpy(problem)
 

@@ -208,7 +208,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     if be.plans_forward(p) and isinstance(ip.index_k_cache, DeviceArray):  # one submission per layer (R32)
         lay = dataclasses.replace(layout_of(p), topk=k, index_dim=ip.index_dim, num_index_heads=ip.num_index_heads,
                                   index_dtype=np.dtype(ip.index_k_cache.dtype))
-        out, lse = checked_out_lse(be, fn, cached_plan(lay, be)._runtime.run_sparse(
+        out, lse = checked_out_lse(be, fn, cached_plan(lay, be)._run_sparse(
             p.q, p.k_cache, p.v_cache, ip.index_q, ip.index_k_cache), p.q.shape)
         return (out, lse) if return_lse else out
     scores = checked_scores(be, fn, be.block_scores(ip), (ip.num_queries, ip.num_kv_heads, ip.msb))

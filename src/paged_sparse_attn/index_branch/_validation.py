@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._index import query_positions
+from .._index import local_blocks, query_positions
 from .._types import DeviceArray, Problem
 from .._validation import (
     FLOAT_DTYPES,
@@ -152,19 +152,6 @@ def _check_lens(used_kv_lens: Any, fn: str, B: int, cap: int) -> np.ndarray:
         j = int(np.argmax(bad))
         raise _fail(fn, f"used_kv_lens[{j}]={int(lens[j])} is outside [0, msb*block_size={cap}]", "R4")
     return lens
-
-
-def local_blocks(cu: np.ndarray, lens: np.ndarray, block_size: int) -> np.ndarray:
-    """R24: the block holding query t's own position ``L_b - T_b + i``, or -1 when it is < 0.
-
-    The position is at most ``L_b - 1 <= msb * block_size - 1`` (R4), so the block id is < msb.
-    """
-    # --8<-- [start:local]
-    _, end = query_positions(cu, lens, causal=True)  # end = L_b - T_b + i + 1 (<= L_b)
-    pos = end - 1  # the query's own position
-    local = np.where(pos >= 0, pos // block_size, -1)
-    # --8<-- [end:local]
-    return np.ascontiguousarray(local, dtype=np.int32)
 
 
 def validate_select_topk(fn: str, scores: Any, topk: Any, *, force_local: Any, cu_seqlens_q: Any,

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..._index import query_positions, run_starts
+from ..._index import build_index_arrays, local_blocks, query_positions, run_starts
 from ..._layout import BatchLayout
 from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
@@ -78,7 +78,6 @@ class DeviceRuntime:
         self.bufs: list = []
         self.pool: list = []  # result buffers of device calls whose results were dropped
         self.layout = layout
-        self.fallback = None  # a HostRuntime for calls the device path cannot take
         self.sparse = None  # the index branch's buffers, made by the first run_sparse
         self.bg_part: dict = {}
         with backend._lock:
@@ -249,8 +248,6 @@ class DeviceRuntime:
     def update(self, layout: BatchLayout) -> None:
         with self.be._lock:
             self.layout = layout
-            if self.fallback is not None:
-                self.fallback.update(layout)
             if not self.empty:
                 self._live()
                 self._write_layout(layout)
@@ -322,17 +319,10 @@ class DeviceRuntime:
                 "larger bindings, or float16 caches) or pass host arrays [R18]")
         return True
 
-    def _fallback(self):
-        if self.fallback is None:
-            from ..host_runtime import HostRuntime
-
-            self.fallback = HostRuntime(self.be, self.layout)
-        return self.fallback
-
     def run(self, q, k, v, sel):
         fn = "AttentionPlan.run"
         if self._host_path(fn, q, k, v, sel):
-            return self._fallback().run(q, k, v, sel)
+            return NotImplemented  # the plan runs it on the plain path
         with self.be._lock:
             try:
                 return self._run_locked(fn, q, k, v, sel)
@@ -549,11 +539,11 @@ class DeviceRuntime:
     # --- the index alone (R33) -------------------------------------------------------------------
 
     def kvouter_index(self, sel) -> KVOuterIndex:
-        from ..host_runtime import HostRuntime
-
         L = self.layout
-        if self.empty:
-            return HostRuntime(self.be, L).kvouter_index(np.full((L.num_queries, L.num_kv_heads, L.topk), -1, np.int32))
+        if self.empty:  # nothing to invert
+            return build_index_arrays(np.full((L.num_queries, L.num_kv_heads, L.topk), -1, np.int32), L.block_tables,
+                                      L.cu_seqlens_q, L.used_kv_lens, block_size=L.block_size, page_size=L.page_size,
+                                      causal=L.causal)
         with self.be._lock:
             self._live()
             dev = self.ctx.device
@@ -595,7 +585,7 @@ class DeviceRuntime:
                                        "index_k_cache of one storage binding (upload_index_cache()) [R18]")
             host = True
         if host or self.empty:
-            return self._fallback().run_sparse(q, k, v, index_q, index_k_cache)
+            return NotImplemented  # the plan runs it on the plain path
         with self.be._lock:
             sp = self._sparse_setup(fn, ik)
             if isinstance(index_q, DeviceArray) and (L.index_dim % 4 or np.dtype(index_q.dtype) != np.float32):
@@ -613,8 +603,7 @@ class DeviceRuntime:
         scores, local blocks, the top-k's parameters, and the inversion's records for its output."""
         import wgpu
 
-        from ...index_branch._types import IndexProblem
-        from ...index_branch._validation import local_blocks
+        from ..._types import IndexProblem
         from ._index_branch import TOPK, TOPK_CAP, TOPK_WG, PARAM_BYTES as SREC, _record
         from ._plan import grid_dispatches
 

@@ -1,4 +1,5 @@
-"""The runtime of a plan on backends without one of their own: the plain per-call path (R32).
+"""The runtime of a plan on backends without one of their own, and for the calls a backend's
+runtime leaves to the plain per-call path (R32).
 
 Each run builds the R13 index on the host and calls the backend's ``forward`` with the plan's
 validated layout: the same work as ``forward``, minus the layout checks.
@@ -8,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._index import build_index_arrays
-from .._layout import BatchLayout
-from .._types import KVOuterIndex, Problem
+from ._index import build_index_arrays
+from ._layout import BatchLayout
+from ._types import KVOuterIndex, Problem
 
 __all__ = ["HostRuntime"]
 
@@ -36,7 +37,7 @@ class HostRuntime:
         return self.backend.forward(self._problem(q, k, v, sel), self.kvouter_index(sel))
 
     def run_sparse(self, q, k, v, index_q, index_k_cache):
-        from ..index_branch._api import sparse_attention
+        from .index_branch._api import sparse_attention
 
         L = self.layout
         return sparse_attention(q, k, v, index_q, index_k_cache, L.block_tables, L.cu_seqlens_q,

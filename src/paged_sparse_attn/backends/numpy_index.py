@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._types import DeviceArray
+from .._types import DeviceArray, IndexProblem, TopkProblem
 from ..errors import UnsupportedError
-from ._types import IndexProblem, TopkProblem
 
 __all__ = ["block_scores_numpy", "select_topk_numpy"]
 
