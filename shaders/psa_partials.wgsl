@@ -111,6 +111,25 @@ var<workgroup> row_a: array<f32, RMAX>;            // rescale factor of the curr
 var<workgroup> red_m: array<f32, WG>;              // softmax: partial max per invocation
 var<workgroup> red_f: array<u32, WG>;              // 1: the invocation saw a valid key
 var<workgroup> red_l: array<f32, WG>;              // partial sum per invocation
+var<workgroup> tile_ninf: atomic<u32>;              // 1: an attended pair of the tile scored -inf (R26)
+
+// R26 without relying on WGSL's (unspecified) infinity and NaN arithmetic: bit tests.
+// A score of -inf removes its position, value included; a NaN score makes the row NaN.
+const NEG_INF_BITS: u32 = 0xff800000u;
+const NEG_ZERO_BITS: u32 = 0x80000000u;  // the weight of a removed position (exp never gives -0)
+fn is_ninf(x: f32) -> bool {
+    return bitcast<u32>(x) == NEG_INF_BITS;
+}
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+fn nan_max(a: f32, b: f32) -> f32 {  // max that keeps a NaN (WGSL's max may drop it)
+    return select(max(a, b), bitcast<f32>(0x7fc00000u), is_nan(a) || is_nan(b));
+}
+// p v, or nothing for a removed position (weight -0): its value, maybe NaN, is not multiplied
+fn pv(p: f32, v: vec4<f32>) -> vec4<f32> {
+    return select(p * v, vec4<f32>(0.0), bitcast<u32>(p) == NEG_ZERO_BITS);
+}
 
 // Keys of the tile (starting at k0, nk keys) a row with edge_len `len` may attend: k < kend.
 fn tile_end(len: u32, k0: u32, nk: u32) -> u32 {
@@ -222,6 +241,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         //    Four K and four V loads per invocation are issued before any of them is stored, so
         //    that eight loads are in flight per invocation (the phase is latency-bound otherwise).
         let cur = ((k0 / TK) & 1u) * TK;
+        if (tid == 0u) {
+            atomicStore(&tile_ninf, 0u);  // (read after this tile's step 3, reset before its barriers)
+        }
         for (var i = 0u; i < LD; i += 4u) {
             let x = tid + i * WG;
             let a = load_kv(x, nk, cur);
@@ -276,12 +298,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         var lmax = 0.0;
         var seen = false;
+        var ninf = false;
         for (var k = sl; k < kend; k += SL) {
             if (key_src[cur + k] != INVALID) {
                 let s = p_tile[sr * PS + k];
-                lmax = select(s, max(lmax, s), seen);
-                seen = true;
+                if (is_ninf(s)) {
+                    ninf = true;  // removed (R26): not in the max, weight -0
+                } else {
+                    lmax = select(s, nan_max(lmax, s), seen);
+                    seen = true;
+                }
             }
+        }
+        if (ninf) {
+            atomicOr(&tile_ninf, 1u);
         }
         red_m[tid] = lmax;
         red_f[tid] = select(0u, 1u, seen);
@@ -291,7 +321,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         for (var i = 0u; i < SL; i++) {
             let t = sr * SL + i;
             if (red_f[t] != 0u) {
-                tmax = select(red_m[t], max(tmax, red_m[t]), found);
+                tmax = select(red_m[t], nan_max(tmax, red_m[t]), found);
                 found = true;
             }
         }
@@ -300,8 +330,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (found) {
             m_new = tmax;
             alpha = 0.0;  // nothing attended before: the accumulators are still exactly 0
-            if (l_old > 0.0) {
-                m_new = max(m_old, tmax);
+            if (!(l_old == 0.0)) {  // (a NaN l is not "nothing": it must reach the output)
+                m_new = nan_max(m_old, tmax);
                 alpha = exp(m_old - m_new);
             }
         }
@@ -310,7 +340,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             for (var k = sl; k < nk; k += SL) {
                 var p = 0.0;
                 if (k < kend && key_src[cur + k] != INVALID) {
-                    p = exp(p_tile[sr * PS + k] - m_new);
+                    let sc = p_tile[sr * PS + k];
+                    p = select(exp(sc - m_new), bitcast<f32>(NEG_ZERO_BITS), is_ninf(sc));
                 }
                 p_tile[sr * PS + k] = p;
                 psum += p;
@@ -350,7 +381,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let pr2 = min(r2, NRG * 4u - 1u) * PS;
             let pr3 = min(r3, NRG * 4u - 1u) * PS;
             let emax = max(max(e0, e1), max(e2, e3));
-            let emin = min(min(e0, e1), min(e2, e3));
+            var emin = min(min(e0, e1), min(e2, e3));
+            if (atomicLoad(&tile_ninf) != 0u) {
+                emin = 0u;  // a removed position in the tile: every pair through the checked loop
+            }
             // keys every row of the tile attends: plain FMAs; past the shortest row, a pair
             // a row does not attend is excluded by select (V there may hold NaN: R10)
             for (var k = 0u; k < emin; k++) {
@@ -363,10 +397,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             for (var k = emin; k < emax; k++) {
                 let v = vec4<f32>(v_tile[k * TD + td]);
                 let zero = vec4<f32>(0.0);
-                acc0 += select(zero, p_tile[pr0 + k] * v, k < e0);
-                acc1 += select(zero, p_tile[pr1 + k] * v, k < e1);
-                acc2 += select(zero, p_tile[pr2 + k] * v, k < e2);
-                acc3 += select(zero, p_tile[pr3 + k] * v, k < e3);
+                acc0 += select(zero, pv(p_tile[pr0 + k], v), k < e0);
+                acc1 += select(zero, pv(p_tile[pr1 + k], v), k < e1);
+                acc2 += select(zero, pv(p_tile[pr2 + k], v), k < e2);
+                acc3 += select(zero, pv(p_tile[pr3 + k], v), k < e3);
             }
         }
         workgroupBarrier();

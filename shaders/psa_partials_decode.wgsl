@@ -90,6 +90,24 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
+// R26 without relying on WGSL's (unspecified) infinity and NaN arithmetic: bit tests. A score of
+// -inf removes its position, value included (its weight is -0, which exp never gives, and a
+// weight of -0 multiplies nothing); a NaN score makes the row NaN.
+const NEG_INF_BITS: u32 = 0xff800000u;
+const NEG_ZERO_BITS: u32 = 0x80000000u;
+fn is_ninf(x: f32) -> bool {
+    return bitcast<u32>(x) == NEG_INF_BITS;
+}
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+fn nan_max(a: f32, b: f32) -> f32 {  // max that keeps a NaN (WGSL's max may drop it)
+    return select(max(a, b), bitcast<f32>(0x7fc00000u), is_nan(a) || is_nan(b));
+}
+fn pv(p: f32, v: vec4<f32>) -> vec4<f32> {
+    return select(p * v, vec4<f32>(0.0), bitcast<u32>(p) == NEG_ZERO_BITS);
+}
+
 var<workgroup> gm: array<f32, 8u * NSG>;            // subgroup merge: running max [subgroup][head slot]
 var<workgroup> gl: array<f32, 8u * NSG>;            // running sum [subgroup][head slot]
 var<workgroup> obuf: array<vec4<f32>, OB>;          // accumulators of subgroups 1.. [sg-1][head][td]
@@ -380,33 +398,38 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 s[i] = reduce8(lo, hi, r) * params.scale;
             }
 
-            // running softmax of head slot hs over the chunk's valid keys
+            // running softmax of head slot hs over the chunk's valid keys; a key scored -inf is
+            // removed (R26): out of the max, weight -0
             let valid = vec4<bool>(row0 != INVALID, row1 != INVALID, row2 != INVALID, row3 != INVALID);
+            let ninf = vec4<bool>(is_ninf(s[0]), is_ninf(s[1]), is_ninf(s[2]), is_ninf(s[3]));
+            let att = valid & !ninf;
             var alpha = 1.0;
-            var p = vec4<f32>(0.0);
-            if (any(valid)) {
+            var p = select(vec4<f32>(0.0), vec4<f32>(bitcast<f32>(NEG_ZERO_BITS)), valid & ninf);
+            if (any(att)) {
                 var cmax = 0.0;
                 var seen = false;
                 for (var i = 0u; i < 4u; i++) {
-                    if (valid[i]) {
-                        cmax = select(s[i], max(cmax, s[i]), seen);
+                    if (att[i]) {
+                        cmax = select(s[i], nan_max(cmax, s[i]), seen);
                         seen = true;
                     }
                 }
                 var m_new = cmax;
                 alpha = 0.0;  // nothing attended before: the accumulators are exactly 0
                 if (!(l == 0.0)) {  // (a NaN l is not "nothing": it must reach the output, R11)
-                    m_new = max(m, cmax);
+                    m_new = nan_max(m, cmax);
                     alpha = exp(m - m_new);
                 }
                 for (var i = 0u; i < 4u; i++) {
-                    if (valid[i]) {
+                    if (att[i]) {
                         p[i] = exp(s[i] - m_new);
                     }
                 }
                 m = m_new;
                 l = l * alpha + ((p.x + p.y) + (p.z + p.w));
             }
+            // whether any lane removed a key of this chunk (uniform: every lane runs the chunk)
+            let removed = subgroupAny(any(valid & ninf));
 
             // o_h = o_h alpha_h + sum_i p_hi v_i, alpha and p of head h from its slot lane
             let x0 = lo4(c.v0);
@@ -421,10 +444,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let src = base + slot_lane(h);
                 let ph = subgroupShuffle(p, src);
                 let ah = subgroupShuffle(alpha, src);
-                let da = ph.x * x0 + ph.y * x1 + ph.z * x2 + ph.w * x3;
+                var da = ph.x * x0 + ph.y * x1 + ph.z * x2 + ph.w * x3;
                 var db = vec4<f32>(0.0);
                 if (EU == 8u) {
                     db = ph.x * y0 + ph.y * y1 + ph.z * y2 + ph.w * y3;
+                }
+                if (removed) {  // a removed key's value (maybe NaN) is not multiplied by its -0
+                    da = pv(ph.x, x0) + pv(ph.y, x1) + pv(ph.z, x2) + pv(ph.w, x3);
+                    if (EU == 8u) {
+                        db = pv(ph.x, y0) + pv(ph.y, y1) + pv(ph.z, y2) + pv(ph.w, y3);
+                    }
                 }
                 switch h {
                     case 0u: { a0 = a0 * ah + da; b0 = b0 * ah + db; }
@@ -453,7 +482,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let oth = !(lo == 0.0);
             var mm = m;
             if (own && oth) {
-                mm = max(m, mo);
+                mm = nan_max(m, mo);
             } else if (oth) {
                 mm = mo;
             }
@@ -500,7 +529,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 var seen = false;
                 for (var g = 0u; g < NSG; g++) {
                     if (!(gl[g * 8u + h] == 0.0)) {
-                        mx = select(gm[g * 8u + h], max(mx, gm[g * 8u + h]), seen);
+                        mx = select(gm[g * 8u + h], nan_max(mx, gm[g * 8u + h]), seen);
                         seen = true;
                     }
                 }
