@@ -54,12 +54,14 @@ class LoopBackend(psa.Backend):
                 continue
             kk = k[pages, h, pos % S].astype(np.float32)  # [n, D]: only attended cells are read
             vv = v[pages, h, pos % S].astype(np.float32)
-            with np.errstate(invalid="ignore"):  # NaN/Inf data the edge attends stays in its result
+            with np.errstate(over="ignore", invalid="ignore"):  # NaN/Inf the edge attends stays (R26)
                 s = np.float32(problem.softmax_scale) * (q[t, h * G:(h + 1) * G] @ kk.T)  # [G, n]
-                m[e] = s.max(axis=1)
-                p = np.exp(s - m[e][:, None])
-                l[e] = p.sum(axis=1)
-                o[e] = p @ vv
+                for g in range(G):
+                    keep = s[g] != -np.inf  # a -inf score removes its position, value included (R26)
+                    if keep.any():  # (none left: the head's partial stays empty)
+                        m[e, g] = s[g, keep].max()  # a NaN score stays NaN
+                        p = np.exp(s[g, keep] - m[e, g])
+                        l[e, g], o[e, g] = p.sum(), p @ vv[keep]
         return psa.Partials(o, m, l)
 # --8<-- [end:loop]
 

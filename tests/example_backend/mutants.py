@@ -3,7 +3,7 @@
 ``Correct`` is the same per-edge algorithm without a bug (it passes the whole kit, index branch
 and batch invariance included); each other class changes one step the way real kernels get it
 wrong. ``MUTANTS`` break the attention rules; ``CONTRACT_MUTANTS`` break the backend contract
-(R15 through the backend's own combine, R19, R22, R24, R27, and the R6 check of what a backend
+(R15 through the backend's own combine, R19, R22, R24, R26, R27, and the R6 check of what a backend
 returns), each with the tests that must catch it.
 """
 
@@ -53,10 +53,18 @@ class Correct(LoopBackend):
         return np.arange(h * G, (h + 1) * G)  # R1: query head hq reads KV head hq // G
 
     def partial(self, q, kk, vv, scale):
-        s = np.float32(scale) * (q @ kk.T)
-        m = s.max(axis=1)
-        p = np.exp(s - m[:, None])
-        return m, p.sum(axis=1), p @ vv
+        s = np.float32(scale) * (q @ kk.T)  # [G, n] float32 scores: overflow gives +-inf (R26)
+        G = s.shape[0]
+        m = np.full(G, -np.inf, np.float32)
+        l = np.zeros(G, np.float32)
+        o = np.zeros((G, vv.shape[1]), np.float32)
+        for g in range(G):
+            keep = s[g] != -np.inf  # a -inf score removes its position, value included (R26)
+            if keep.any():  # (none left: the head's partial stays empty)
+                m[g] = s[g, keep].max()  # a NaN score stays NaN
+                p = np.exp(s[g, keep] - m[g])
+                l[g], o[g] = p.sum(), p @ vv[keep]
+        return m, l, o
 
     def forward_partials(self, problem, index):
         q = np.asarray(problem.q, np.float32)
@@ -221,8 +229,20 @@ MUTANTS = ("FiniteSentinel", "ReadsUnmappedPages", "IgnoresKVLength", "WrongHead
            "Base2Max", "Float16Scores")
 
 
+class MultipliesRemovedValues(Correct):
+    """Gives a -inf score the weight exp(-inf - m) = 0 and multiplies its value by it: a NaN value
+    there reaches the output, and a row whose scores are all -inf gives NaN, not an empty row."""
+
+    def partial(self, q, kk, vv, scale):
+        s = np.float32(scale) * (q @ kk.T)
+        m = s.max(axis=1)
+        p = np.exp(s - m[:, None])
+        return m, p.sum(axis=1), p @ vv
+
+
 CONTRACT_MUTANTS = {
     "BatchDependent": "R27",
+    "MultipliesRemovedValues": "R26",
     "Noisy": "R19",
     "OwnCombineBase2": "R15_the_backends_own_combine",
     "ScoresIgnoreCausal": "R22",
