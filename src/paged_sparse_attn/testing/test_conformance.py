@@ -36,11 +36,9 @@ from paged_sparse_attn.index_branch import (
 from paged_sparse_attn.testing import oracle
 from paged_sparse_attn.testing import strategies as pst
 from paged_sparse_attn.testing.assertions import (
-    Tolerance,
     assert_attention_close,
     assert_empty_rows_exact,
     assert_partials_close,
-    tolerance,
 )
 from paged_sparse_attn.testing.problem import AttentionProblem
 
@@ -51,11 +49,6 @@ SEEDS = st.integers(0, 2**32 - 1)
 
 def _problem(data, backend, **kwargs) -> AttentionProblem:
     return data.draw(pst.problems(caps=backend.capabilities, **kwargs), label="problem")
-
-
-def _twice(tol: Tolerance) -> Tolerance:
-    """Two independently rounded results of one quantity differ by up to twice the tolerance."""
-    return Tolerance(2 * tol.out, 2 * tol.lse)
 
 
 @contextlib.contextmanager
@@ -101,7 +94,8 @@ def test_R11_forward_matches_dense_reference(backend, data):
     assert out.dtype == np.float32 and lse.dtype == np.float32, f"R11: out {out.dtype}, lse {lse.dtype}"
     assert out.shape == p.q.shape and lse.shape == p.q.shape[:2], f"R11: out {out.shape}, lse {lse.shape}"
     ref, ref_lse = p.reference()
-    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, tol=p.tolerance(),
+                           err_msg=f"[{backend.name}]")
 
 
 @pytest.mark.psa_backends(exclude=("numpy",))
@@ -111,7 +105,7 @@ def test_R20_agrees_with_numpy_backend(backend, data):
     out, lse = p.forward(backend)
     want, want_lse = p.forward("numpy")
     assert_attention_close(out, want, dtype=p.dtypes, lse=lse, ref_lse=want_lse,
-                           tol=_twice(tolerance(p.dtypes)), err_msg=f"[{backend.name} vs numpy]")
+                           tol=p.tolerance().times(2), err_msg=f"[{backend.name} vs numpy]")
 
 
 @given(data=st.data())
@@ -126,7 +120,7 @@ def test_R19_same_inputs_same_result(backend, data):
     empty = _rows_per_q_head(~oracle.attended_mask(p).any(axis=-1), p.group_size)
     for o, l in ((o1, l1), (o2, l2)):
         assert_empty_rows_exact(o, l, np.where(empty, -np.inf, 0.0), err_msg=f"[{backend.name}] R19:")
-    assert_attention_close(o2, o1, dtype=p.dtypes, lse=l2, ref_lse=l1, tol=_twice(tolerance(p.dtypes)),
+    assert_attention_close(o2, o1, dtype=p.dtypes, lse=l2, ref_lse=l1, tol=p.tolerance().times(2),
                            err_msg=f"[{backend.name}] R19 second run vs first:")
 
 
@@ -195,7 +189,8 @@ def test_R2_permuting_physical_pages_changes_nothing(backend, data):
     bt = np.where(p.block_tables >= 0, perm[np.maximum(p.block_tables, 0)], -1).astype(np.int32)
     out, lse = p.forward(backend, k_cache=k, v_cache=v, block_tables=bt)
     ref, ref_lse = p.reference()
-    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, tol=p.tolerance(),
+                           err_msg=f"[{backend.name}]")
 
 
 @given(data=st.data())
@@ -210,7 +205,8 @@ def test_R6_slot_order_and_padding_change_nothing(backend, data):
             sel[t, h, rng.permutation(K + pad)[:K]] = p.selected[t, h]
     out, lse = p.forward(backend, selected=sel)
     ref, ref_lse = p.reference()
-    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, tol=p.tolerance(),
+                           err_msg=f"[{backend.name}]")
 
 
 @given(data=st.data())
@@ -331,7 +327,7 @@ def test_R15_combine_of_partials_equals_forward(backend, data):
     ref, ref_lse = p.reference()
     assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}] combine:")
     fwd, fwd_lse = p.forward(backend)
-    assert_attention_close(out, fwd, dtype=p.dtypes, lse=lse, ref_lse=fwd_lse, tol=_twice(tolerance(p.dtypes)),
+    assert_attention_close(out, fwd, dtype=p.dtypes, lse=lse, ref_lse=fwd_lse, tol=p.tolerance().times(2),
                            err_msg=f"[{backend.name}] combine vs forward:")
 
 
@@ -371,7 +367,7 @@ def test_R16_merge_states_is_associative(backend, data):
     left = psa.merge_states(*psa.merge_states(oa, la, ob, lb), oc, lc)
     right = psa.merge_states(oa, la, *psa.merge_states(ob, lb, oc, lc))
     assert_attention_close(left[0], right[0], dtype=p.dtypes, lse=left[1], ref_lse=right[1],
-                           tol=_twice(tolerance(p.dtypes)), err_msg="R16 (a.b).c vs a.(b.c):")
+                           tol=p.tolerance().times(2), err_msg="R16 (a.b).c vs a.(b.c):")
 
 
 @given(data=st.data())
@@ -390,7 +386,7 @@ def test_R16_split_kv_merge_equals_whole(backend, data):
     (oa, la), (ob, lb) = _states(p, backend, data, 2)
     out, lse = psa.merge_states(oa, la, ob, lb)
     ref, ref_lse = p.reference()
-    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, tol=_twice(tolerance(p.dtypes)),
+    assert_attention_close(out, ref, dtype=p.dtypes, lse=lse, ref_lse=ref_lse, tol=p.tolerance().times(2),
                            err_msg=f"[{backend.name}] split-KV:")
 
 
