@@ -43,7 +43,7 @@ from ._plan import (
     plan_forward,
     plan_partials,
 )
-from ._tensors import WgpuTensor
+from ._tensors import WgpuTensor, lse_from_ml
 from ._tensors import upload as upload_tensor
 from ._transfer import CallBuffers, bind_group
 
@@ -377,10 +377,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         ml = np.zeros((Tq * Hq, 2), dtype=np.float32)
         if index.num_edges:
             self._run(problem, index, "forward", o, ml)
-        l = ml[:, 1].astype(np.float64)  # noqa: E741
-        with np.errstate(divide="ignore", invalid="ignore"):  # NaN l: NaN lse, like the reference
-            lse = np.where(l != 0, ml[:, 0].astype(np.float64) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
-        return o.reshape(Tq, Hq, D), lse.astype(np.float32).reshape(Tq, Hq)
+        return o.reshape(Tq, Hq, D), lse_from_ml(ml).reshape(Tq, Hq)  # (the plan path's conversion too)
 
     def _device_lost(self) -> bool:
         """Whether the current device is lost (then even a 16-byte allocation fails)."""
