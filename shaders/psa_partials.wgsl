@@ -123,8 +123,10 @@ fn is_ninf(x: f32) -> bool {
 fn is_nan(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
 }
+// a NaN as a runtime value: a constant NaN expression is a shader-creation error in Tint
+var<private> NAN_BITS: u32 = 0x7fc00000u;
 fn nan_max(a: f32, b: f32) -> f32 {  // max that keeps a NaN (WGSL's max may drop it)
-    return select(max(a, b), bitcast<f32>(0x7fc00000u), is_nan(a) || is_nan(b));
+    return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));
 }
 // p v, or nothing for a removed position (weight -0): its value, maybe NaN, is not multiplied
 fn pv(p: f32, v: vec4<f32>) -> vec4<f32> {

@@ -101,8 +101,10 @@ fn is_ninf(x: f32) -> bool {
 fn is_nan(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
 }
+// a NaN as a runtime value: a constant NaN expression is a shader-creation error in Tint
+var<private> NAN_BITS: u32 = 0x7fc00000u;
 fn nan_max(a: f32, b: f32) -> f32 {  // max that keeps a NaN (WGSL's max may drop it)
-    return select(max(a, b), bitcast<f32>(0x7fc00000u), is_nan(a) || is_nan(b));
+    return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));
 }
 fn pv(p: f32, v: vec4<f32>) -> vec4<f32> {
     return select(p * v, vec4<f32>(0.0), bitcast<u32>(p) == NEG_ZERO_BITS);
@@ -289,7 +291,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // device that breaks it gets NaN rows (loud), never plausible numbers
     let broken = sgs != SG || sl != tid % SG;
     let jo = r * (EU / 4u);      // q / o vec4 of the unit's first 4 dims
-    let nan = bitcast<f32>(0x7fc00000u);
+    let nan = bitcast<f32>(NAN_BITS);
 
     for (var e = 0u; e < n_e; e++) {
         let qrow = plan[erec + 2u * e];
