@@ -116,7 +116,10 @@ var<workgroup> tile_ninf: atomic<u32>;              // 1: an attended pair of th
 // R26 without relying on WGSL's (unspecified) infinity and NaN arithmetic: bit tests.
 // A score of -inf removes its position, value included; a NaN score makes the row NaN.
 const NEG_INF_BITS: u32 = 0xff800000u;
-const NEG_ZERO_BITS: u32 = 0x80000000u;  // the weight of a removed position (exp never gives -0)
+// the weight of a removed position: exp never gives a negative number (a -0 marker is not
+// safe: compilers may treat -0 and +0 as one constant)
+const REMOVED: f32 = -1.0;
+const REMOVED_BITS: u32 = 0xbf800000u;  // (tested by bits: a float compare may be turned into a max that drops NaN)
 fn is_ninf(x: f32) -> bool {
     return bitcast<u32>(x) == NEG_INF_BITS;
 }
@@ -128,9 +131,9 @@ var<private> NAN_BITS: u32 = 0x7fc00000u;
 fn nan_max(a: f32, b: f32) -> f32 {  // max that keeps a NaN (WGSL's max may drop it)
     return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));
 }
-// p v, or nothing for a removed position (weight -0): its value, maybe NaN, is not multiplied
+// p v, or nothing for a removed position (weight REMOVED): its value, maybe NaN, is not multiplied
 fn pv(p: f32, v: vec4<f32>) -> vec4<f32> {
-    return select(p * v, vec4<f32>(0.0), bitcast<u32>(p) == NEG_ZERO_BITS);
+    return select(p * v, vec4<f32>(0.0), bitcast<u32>(p) == REMOVED_BITS);
 }
 
 // Keys of the tile (starting at k0, nk keys) a row with edge_len `len` may attend: k < kend.
@@ -305,7 +308,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             if (key_src[cur + k] != INVALID) {
                 let s = p_tile[sr * PS + k];
                 if (is_ninf(s)) {
-                    ninf = true;  // removed (R26): not in the max, weight -0
+                    ninf = true;  // removed (R26): not in the max, weight REMOVED
                 } else {
                     lmax = select(s, nan_max(lmax, s), seen);
                     seen = true;
@@ -343,10 +346,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 var p = 0.0;
                 if (k < kend && key_src[cur + k] != INVALID) {
                     let sc = p_tile[sr * PS + k];
-                    p = select(exp(sc - m_new), bitcast<f32>(NEG_ZERO_BITS), is_ninf(sc));
+                    p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
                 }
                 p_tile[sr * PS + k] = p;
-                psum += p;
+                psum += select(p, 0.0, bitcast<u32>(p) == REMOVED_BITS);  // (a NaN p stays in the sum)
             }
         }
         red_l[tid] = psum;

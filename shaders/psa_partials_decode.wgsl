@@ -91,10 +91,13 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
 // R26 without relying on WGSL's (unspecified) infinity and NaN arithmetic: bit tests. A score of
-// -inf removes its position, value included (its weight is -0, which exp never gives, and a
-// weight of -0 multiplies nothing); a NaN score makes the row NaN.
+// -inf removes its position, value included (its weight is REMOVED, which exp never gives, and
+// such a weight multiplies nothing); a NaN score makes the row NaN.
 const NEG_INF_BITS: u32 = 0xff800000u;
-const NEG_ZERO_BITS: u32 = 0x80000000u;
+// the weight of a removed position: exp never gives a negative number (a -0 marker is not
+// safe: compilers may treat -0 and +0 as one constant)
+const REMOVED: f32 = -1.0;
+const REMOVED_BITS: u32 = 0xbf800000u;  // (tested by bits: a float compare may be turned into a max that drops NaN)
 fn is_ninf(x: f32) -> bool {
     return bitcast<u32>(x) == NEG_INF_BITS;
 }
@@ -107,7 +110,7 @@ fn nan_max(a: f32, b: f32) -> f32 {  // max that keeps a NaN (WGSL's max may dro
     return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));
 }
 fn pv(p: f32, v: vec4<f32>) -> vec4<f32> {
-    return select(p * v, vec4<f32>(0.0), bitcast<u32>(p) == NEG_ZERO_BITS);
+    return select(p * v, vec4<f32>(0.0), bitcast<u32>(p) == REMOVED_BITS);
 }
 
 var<workgroup> gm: array<f32, 8u * NSG>;            // subgroup merge: running max [subgroup][head slot]
@@ -401,12 +404,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
 
             // running softmax of head slot hs over the chunk's valid keys; a key scored -inf is
-            // removed (R26): out of the max, weight -0
+            // removed (R26): out of the max, weight REMOVED
             let valid = vec4<bool>(row0 != INVALID, row1 != INVALID, row2 != INVALID, row3 != INVALID);
             let ninf = vec4<bool>(is_ninf(s[0]), is_ninf(s[1]), is_ninf(s[2]), is_ninf(s[3]));
             let att = valid & !ninf;
             var alpha = 1.0;
-            var p = select(vec4<f32>(0.0), vec4<f32>(bitcast<f32>(NEG_ZERO_BITS)), valid & ninf);
+            var p = select(vec4<f32>(0.0), vec4<f32>(REMOVED), valid & ninf);
             if (any(att)) {
                 var cmax = 0.0;
                 var seen = false;
@@ -428,7 +431,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     }
                 }
                 m = m_new;
-                l = l * alpha + ((p.x + p.y) + (p.z + p.w));
+                let pl = select(p, vec4<f32>(0.0), bitcast<vec4<u32>>(p) == vec4<u32>(REMOVED_BITS));  // removed keys weigh nothing
+                l = l * alpha + ((pl.x + pl.y) + (pl.z + pl.w));
             }
             // whether any lane removed a key of this chunk (uniform: every lane runs the chunk)
             let removed = subgroupAny(any(valid & ninf));
@@ -451,7 +455,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 if (EU == 8u) {
                     db = ph.x * y0 + ph.y * y1 + ph.z * y2 + ph.w * y3;
                 }
-                if (removed) {  // a removed key's value (maybe NaN) is not multiplied by its -0
+                if (removed) {  // a removed key's value (maybe NaN) is not multiplied by its weight
                     da = pv(ph.x, x0) + pv(ph.y, x1) + pv(ph.z, x2) + pv(ph.w, x3);
                     if (EU == 8u) {
                         db = pv(ph.x, y0) + pv(ph.y, y1) + pv(ph.z, y2) + pv(ph.w, y3);

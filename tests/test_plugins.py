@@ -156,7 +156,7 @@ def test_listing_order_is_builtins_then_plugins_by_name_then_runtime(plugins):
     psa.register_backend("a-runtime", NumpyBackend)
     with pytest.warns(RuntimeWarning, match="import-error-plugin"):
         names = list(psa.list_backends())
-    assert names == ["numpy", "wgpu", "factory-error-plugin", "good-plugin", "import-error-plugin", "a-runtime"]
+    assert names == ["numpy", "wgpu", "dawn", "factory-error-plugin", "good-plugin", "import-error-plugin", "a-runtime"]
 
 
 @pytest.mark.filterwarnings("ignore:.*built-in backend has that name:RuntimeWarning")

@@ -13,6 +13,7 @@ The wgpu-only parts (oversize problems, device errors, threads, the soak) are in
 from __future__ import annotations
 
 import contextlib
+import importlib
 import dataclasses
 import sys
 import warnings
@@ -65,12 +66,13 @@ def no_device_work(*backends, methods: tuple[str, ...] = BACKEND_WORK):
             if hasattr(be, name):
                 setattr(be, name, trap(f"{be.name}.{name}()"))
                 undo.append(lambda be=be, name=name: delattr(be, name))
-    if "wgpu" in sys.modules:  # the wgpu classes exist only once something imported wgpu
-        import wgpu
-        from wgpu.backends import wgpu_native
-
+    # the runtimes' classes exist only once something imported them (wgpu-native, Dawn)
+    for mod_name, impl_name in (("wgpu", "wgpu.backends.wgpu_native"), ("wgpudawn", "wgpudawn.backends.dawn")):
+        if mod_name not in sys.modules:
+            continue
+        mod, impl = importlib.import_module(mod_name), importlib.import_module(impl_name)
         for cls_name, names in WGPU_WORK.items():
-            for cls in {getattr(wgpu, cls_name), getattr(wgpu_native, cls_name)}:
+            for cls in {getattr(mod, cls_name), getattr(impl, cls_name)}:
                 for name in names:
                     if name in cls.__dict__:
                         old = cls.__dict__[name]

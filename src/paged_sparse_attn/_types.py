@@ -66,7 +66,9 @@ class Capabilities:
         The backend implements ``block_scores`` and ``select_topk`` (R21-R25); the API refuses
         the index branch on a backend without it (R18).
     features : frozenset of str
-        Device features that matter (``"shader-f16"``, ``"subgroup"``, ``"timestamp-query"``).
+        Device features that matter (``"shader-f16"``, ``"subgroup"``, ``"timestamp-query"``,
+        ``"subgroup-matrix"``, and one ``"subgroup-matrix-f16-MxNxK"`` per f16 x f16 -> f32
+        subgroup-matrix configuration of the device).
     limits : mapping
         Device limits that matter (max storage binding, workgroup memory, ...).
     device : str

@@ -24,7 +24,7 @@ __all__ = ["main", "build_app", "backends_info", "error_line"]
 
 PROG = "paged-sparse-attn"
 # Device features that decide what a GPU backend can run (shown even when absent).
-KEY_FEATURES = ("shader-f16", "subgroup", "timestamp-query")
+KEY_FEATURES = ("shader-f16", "subgroup", "timestamp-query", "subgroup-matrix")
 EXIT_FAILED = 1
 EXIT_ERROR = 2
 

@@ -53,6 +53,7 @@ DEFAULT_BACKEND = "numpy"
 BUILTIN_BACKENDS: dict[str, str] = {
     "numpy": "paged_sparse_attn.backends.numpy_backend:NumpyBackend",
     "wgpu": "paged_sparse_attn.backends.wgpu:WgpuBackend",
+    "dawn": "paged_sparse_attn.backends.wgpu:DawnBackend",
 }
 """Registry name -> ``"module:attr"`` of the built-in backends, in listing order."""
 

@@ -32,6 +32,7 @@ from .._validation import validate_forward
 from .clocks import ClockSampler
 from .cpu import attention_flops
 from .peers import PEERS, copy_bandwidth, torch_available
+from .peers import matmul_rate as torch_matmul_rate
 from .workloads import Workload, make_problem, needed_kv_bytes
 
 __all__ = ["GPU_WORKLOADS", "QUICK_GPU_WORKLOADS", "run_gpu"]
@@ -132,9 +133,15 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             say(f"{be.name}: streaming read bandwidth")
             result["ceilings"][f"{be.name} read bytes/s"] = be.read_bandwidth(1 << (24 if quick else 30),
                                                                                warmup_s=0.0 if quick else 1.0)
+        if hasattr(be, "matmul_rate") and "subgroup-matrix-f16-16x16x16" in be.capabilities.features:
+            say(f"{be.name}: subgroup-matrix matmul rate")
+            result["ceilings"][f"{be.name} matmul FLOP/s"] = be.matmul_rate(1024 if quick else 4096)
+            result["ceilings"][f"{be.name} matmul"] = dict(be.last_timings)
     if t_ok:
         say("torch: copy bandwidth")
         result["ceilings"]["torch copy bytes/s"] = copy_bandwidth(1 << (24 if quick else 31))
+        say("torch: bf16 matmul rate")
+        result["ceilings"]["torch bf16 matmul FLOP/s"] = torch_matmul_rate(1024 if quick else 4096)
     bws = [v for k, v in result["ceilings"].items() if k.endswith("bytes/s") and v == v]
     bw = max(bws) if bws else None
     result["copy_bandwidth"] = bw

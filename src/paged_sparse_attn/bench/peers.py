@@ -78,6 +78,16 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10) -> float:
     return 2 * nbytes / t
 
 
+def matmul_rate(size: int = 4096, repeat: int = 20) -> float:
+    """FLOP/s of torch's bf16 matmul (size x size x size) on this GPU, by CUDA events."""
+    import torch
+
+    a = torch.randn(size, size, device=_dev(), dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=_dev(), dtype=torch.bfloat16)
+    t = cuda_time(lambda: torch.matmul(a, b), repeat)
+    return 2.0 * size ** 3 / t
+
+
 def _on_device(problem, torch, dtype):
     """q, k_cache and v_cache of ``problem`` as torch tensors of ``dtype`` on the peer device."""
     return tuple(torch.as_tensor(problem[k], device=_dev()).to(dtype) for k in ("q", "k_cache", "v_cache"))

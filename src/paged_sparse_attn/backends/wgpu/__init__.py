@@ -1,9 +1,9 @@
-"""The wgpu backend (WGSL kernels through wgpu-py); imported lazily by the registry.
+"""The WGSL backends: ``wgpu`` (wgpu-native) and ``dawn`` (Dawn), one host code; imported lazily by the registry.
 
-Importing this package does not import ``wgpu``: that happens when a backend is probed or built.
+Importing this package imports neither ``wgpu`` nor ``wgpudawn``: that happens when a backend is probed or built.
 """
 
 from ._arrays import WgpuArray
-from .backend import WgpuBackend
+from .backend import DawnBackend, WgpuBackend
 
-__all__ = ["WgpuBackend", "WgpuArray"]
+__all__ = ["DawnBackend", "WgpuArray", "WgpuBackend"]

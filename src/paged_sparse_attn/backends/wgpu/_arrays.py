@@ -12,6 +12,7 @@ from ..._types import DeviceArray
 from ...errors import DeviceError
 from ._device import destroy_all, device_errors
 from ._plan import SlabMap, chunk_starts_for
+from ._webgpu import BufferUsage
 
 __all__ = ["CacheLayout", "WgpuArray", "upload_slabs"]
 
@@ -73,7 +74,7 @@ class CacheLayout:
     def slab_map(self) -> SlabMap:
         return SlabMap(self.chunk_starts, self.slab_ids)
 
-    def same_as(self, other: "CacheLayout") -> bool:
+    def same_as(self, other: CacheLayout) -> bool:
         return (self.shape == other.shape and np.dtype(self.dtype) == np.dtype(other.dtype)
                 and self.slab_stride == other.slab_stride
                 and np.array_equal(self.chunk_starts, other.chunk_starts)
@@ -82,7 +83,7 @@ class CacheLayout:
                          and np.array_equal(self.slab_ids, other.slab_ids))))
 
     @staticmethod
-    def make(shape, dtype, binding_size: int, slab_ids: np.ndarray | None = None) -> "CacheLayout":
+    def make(shape, dtype, binding_size: int, slab_ids: np.ndarray | None = None) -> CacheLayout:
         P, Hkv, S, D = (int(x) for x in shape)
         dt = np.dtype(dtype)
         stride = S * (-(-D // 4) * 4)
@@ -104,10 +105,9 @@ def _slab_rows(arr: np.ndarray, layout: CacheLayout, lo: int, hi: int) -> np.nda
 
 def upload_slabs(device, arr: np.ndarray, layout: CacheLayout, label: str) -> list:
     """One storage buffer per chunk holding the slabs of ``arr`` that ``layout`` describes."""
-    import wgpu
 
     bufs = []
-    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_DST | wgpu.BufferUsage.COPY_SRC
+    usage = BufferUsage.STORAGE | BufferUsage.COPY_DST | BufferUsage.COPY_SRC
     try:
         for c in range(layout.n_chunks):
             lo, hi = int(layout.chunk_starts[c]), int(layout.chunk_starts[c + 1])

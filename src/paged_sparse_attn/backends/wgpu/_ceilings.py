@@ -11,14 +11,16 @@ way (:func:`median_time`).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ._device import destroy_all, device_errors
 from ._shaders import shader_source
+from ._webgpu import BufferUsage, MapMode, QueryType
 
-__all__ = ["READ_KERNEL", "copy_bandwidth", "median_time", "read_bandwidth", "wait_idle"]
+__all__ = ["GEMM_KERNEL", "READ_KERNEL", "copy_bandwidth", "matmul_rate", "median_time", "read_bandwidth", "wait_idle"]
 
 READ_KERNEL = "psa_read_bandwidth.wgsl"
 READ_WG = 256
@@ -43,10 +45,9 @@ def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, rep
     timed ones, one submission each. GPU timestamps when the device has them (``"timestamp-query"``),
     else host time around submit and wait (``"wall"``; ``wait_buf`` needs COPY_SRC).
     """
-    import wgpu
 
     dev = ctx.device
-    U = wgpu.BufferUsage
+    U = BufferUsage
     t_warm = time.perf_counter()
     while time.perf_counter() - t_warm < float(warmup_s):
         enc = dev.create_command_encoder()
@@ -60,7 +61,7 @@ def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, rep
     try:
         qset = None
         if use_ts:
-            qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=2)
+            qset = dev.create_query_set(type=QueryType.timestamp, count=2)
             res = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
             rb = dev.create_buffer(size=16, usage=U.MAP_READ | U.COPY_DST)
             bufs += [res, rb]
@@ -73,7 +74,7 @@ def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, rep
             t0 = time.perf_counter()
             dev.queue.submit([enc.finish()])
             if use_ts:
-                rb.map_sync(wgpu.MapMode.READ)
+                rb.map_sync(MapMode.READ)
                 a, b = np.frombuffer(rb.read_mapped(), dtype=np.uint64).astype(np.int64)
                 rb.unmap()
                 dt = (b - a) * ctx.ns_per_tick * 1e-9
@@ -93,12 +94,11 @@ def copy_bandwidth(ctx: Any, nbytes: int, repeat: int = 10) -> dict:
     Timestamps are written by empty compute passes around the copy. Returns
     ``dict(bytes_per_s, copy_s, copy_bytes, timer)``.
     """
-    import wgpu
 
     dev = ctx.device
     n = max(256, min(int(nbytes), ctx.buffer_size))
     n -= n % 256
-    U = wgpu.BufferUsage
+    U = BufferUsage
     bufs = []
     try:
         with device_errors("copy_bandwidth", bytes=n):
@@ -127,12 +127,11 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
     Returns ``dict(bytes_per_s, read_s, read_bytes, timer)``: the median of ``repeat`` timed
     runs after ``warmup_s`` seconds of untimed runs and one warm-up run (:func:`median_time`).
     """
-    import wgpu
 
     dev = ctx.device
     n = max(4096, min(int(nbytes), ctx.binding_size, ctx.buffer_size))
     n -= n % 4096
-    U = wgpu.BufferUsage
+    U = BufferUsage
     groups = max(1, min(int(workgroups), ctx.workgroups_per_dim))
     bufs = []
     try:
@@ -163,3 +162,57 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
     finally:
         destroy_all(bufs)
     return dict(bytes_per_s=n / t if t > 0 else float("nan"), read_s=t, read_bytes=n, timer=timer)
+
+
+GEMM_KERNEL = "psa_gemm_sgmat.wgsl"
+GEMM_TILES = ((4, 2), (2, 4), (4, 4), (2, 2))  # (TM, TN) result tiles per subgroup tried
+
+
+def matmul_rate(ctx: Any, size: int = 4096, repeat: int = 10) -> dict:
+    """FLOP/s of ``psa_gemm_sgmat.wgsl``: C = A · B, f16 [size, size] operands, f32 result.
+
+    Tries each tile shape of ``GEMM_TILES`` and returns the fastest: ``dict(flop_per_s, gemm_s,
+    size, tiles, max_abs_err, timer)``, where ``max_abs_err`` compares 64 rows of C with numpy
+    (the rate of a wrong product is worthless). Needs the subgroup-matrix feature (16x16x16).
+    """
+    from ._kernels import pipeline
+
+    n = max(64, int(size) - int(size) % 64)
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((n, n)) * 0.1).astype(np.float16)
+    b = (rng.standard_normal((n, n)) * 0.1).astype(np.float16)
+    dev = ctx.device
+    U = BufferUsage
+    bufs = []
+    best = None
+    try:
+        with device_errors("matmul_rate", size=n):
+            ab = dev.create_buffer_with_data(data=a, usage=U.STORAGE)
+            bb = dev.create_buffer_with_data(data=b, usage=U.STORAGE)
+            cb = dev.create_buffer(size=n * n * 4, usage=U.STORAGE | U.COPY_SRC)
+            pb = dev.create_buffer_with_data(data=np.array([n, n, n, 0], np.uint32), usage=U.UNIFORM)
+            bufs += [ab, bb, cb, pb]
+            for tm, tn in GEMM_TILES:
+                pipe, bgl = pipeline(ctx, GEMM_KERNEL, {"TM": tm, "TN": tn})
+                bg = dev.create_bind_group(layout=bgl, entries=[
+                    {"binding": i, "resource": {"buffer": x}} for i, x in enumerate((pb, ab, bb, cb))])
+
+                def encode(enc, qset, pipe=pipe, bg=bg, tm=tm, tn=tn):
+                    tw = None if qset is None else {"query_set": qset, "beginning_of_pass_write_index": 0,
+                                                    "end_of_pass_write_index": 1}
+                    cp = enc.begin_compute_pass(timestamp_writes=tw)
+                    cp.set_pipeline(pipe)
+                    cp.set_bind_group(0, bg)
+                    cp.dispatch_workgroups(n // (16 * tn), n // (16 * tm))
+                    cp.end()
+
+                t, timer = median_time(ctx, encode, cb, repeat)
+                c = np.frombuffer(dev.queue.read_buffer(cb, 0, 64 * n * 4), np.float32).reshape(64, n)
+                err = float(np.abs(c - a[:64].astype(np.float32) @ b.astype(np.float32)).max())
+                row = dict(flop_per_s=2.0 * n ** 3 / t if t > 0 else float("nan"), gemm_s=t, size=n,
+                           tiles=(tm, tn), max_abs_err=err, timer=timer)
+                if best is None or row["flop_per_s"] > best["flop_per_s"]:
+                    best = row
+    finally:
+        destroy_all(bufs)
+    return best

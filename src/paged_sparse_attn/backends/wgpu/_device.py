@@ -1,37 +1,38 @@
-"""Adapter and device acquisition, limits, features and error translation for the wgpu backend.
+"""Adapter and device acquisition, limits, features and error translation for the WGSL backend.
 
-``wgpu`` is imported inside functions only: importing this module never requires it.
+The runtime (wgpu-native or Dawn, ``_runtime``) is imported inside functions only: importing this
+module never requires it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from ...errors import DeviceError
+from ._runtime import SUBGROUP, WGPU_NATIVE, Runtime, gpu_error_types
+from ._webgpu import BufferUsage
 
 __all__ = [
-    "WEBGPU_DEFAULT_LIMITS",
-    "after_device_error",
-    "destroy_all",
-    "INSTALL_HINT",
     "DRIVER_HINT",
+    "INSTALL_HINT",
+    "MAX_PIPELINES",
+    "WEBGPU_DEFAULT_LIMITS",
     "DeviceContext",
     "PipelineCache",
-    "MAX_PIPELINES",
+    "after_device_error",
+    "destroy_all",
+    "device_errors",
     "open_device",
     "request_adapter",
-    "device_errors",
     "subgroup_size",
 ]
 
-INSTALL_HINT = "wgpu is not installed: pip install paged_sparse_attn[wgpu]"
-DRIVER_HINT = (
-    "no Vulkan/Metal/D3D12 driver found: on Debian/Ubuntu apt-get install mesa-vulkan-drivers "
-    "(lavapipe) or install your GPU driver"
-)
+INSTALL_HINT = WGPU_NATIVE.install_hint
+DRIVER_HINT = WGPU_NATIVE.driver_hint
 
 # The WebGPU specification's default limits (what a portable program may assume). Requesting
 # these instead of the adapter's maxima catches code that only runs on generous hardware.
@@ -80,11 +81,12 @@ REPORTED_LIMITS = (
     "min-storage-buffer-offset-alignment",
 )
 
-# Features the backend uses when the adapter has them. timestamp-query is always requested (it
-# costs nothing until a query set is written; profiling and copy_bandwidth need it); subgroup
-# is what the decode partials kernel needs (its shuffles); without it decode calls run the
-# generic kernel.
-WANTED_FEATURES = ("shader-f16", "timestamp-query", "subgroup")
+# Features the backend uses when the adapter has them (Runtime.wanted_features). timestamp-query
+# is always requested (it costs nothing until a query set is written; profiling and
+# copy_bandwidth need it); subgroup is what the decode partials kernel needs (its shuffles);
+# without it decode calls run the generic kernel; subgroup matrices (Dawn) are what the tensor
+# core kernels need.
+WANTED_FEATURES = WGPU_NATIVE.wanted_features()
 
 
 MAX_PIPELINES = 64
@@ -144,6 +146,8 @@ class DeviceContext:
     geometries: dict = field(default_factory=lambda: PipelineCache(MAX_PIPELINES))  # kernel geometries by call shape
     ns_per_tick: float = 1.0  # timestamp period: resolved query values are ticks of this many ns
     subgroup: tuple = (None, "the subgroup size was not measured")  # (size or None, why not): open_device
+    runtime: Runtime = WGPU_NATIVE  # the WebGPU implementation the device comes from
+    sgmat: frozenset = frozenset()  # (M, N, K) of the f16 x f16 -> f32 subgroup-matrix configurations
 
 
 SUBGROUP_PROBE = "psa_subgroup_size.wgsl"
@@ -163,18 +167,18 @@ def subgroup_size(ctx: DeviceContext) -> tuple[int | None, str]:
 
 def _measure_subgroup(ctx: DeviceContext) -> tuple[int | None, str]:
     import numpy as np
-    import wgpu
 
     from ._shaders import shader_source
 
-    if "subgroup" not in ctx.features:
+    if SUBGROUP not in ctx.features:
         return None, "the device lacks the subgroup feature"
     dev = ctx.device
     try:
-        module = dev.create_shader_module(code=shader_source(SUBGROUP_PROBE), label=SUBGROUP_PROBE)
+        module = dev.create_shader_module(code=ctx.runtime.subgroup_directive + shader_source(SUBGROUP_PROBE),
+                                          label=SUBGROUP_PROBE)
         pipe = dev.create_compute_pipeline(layout="auto", compute={
             "module": module, "entry_point": "main", "constants": {"WG": SUBGROUP_PROBE_WG}})
-        buf = dev.create_buffer(size=8 * SUBGROUP_PROBE_WG, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+        buf = dev.create_buffer(size=8 * SUBGROUP_PROBE_WG, usage=BufferUsage.STORAGE | BufferUsage.COPY_SRC)
         try:
             bg = dev.create_bind_group(layout=pipe.get_bind_group_layout(0),
                                        entries=[{"binding": 0, "resource": {"buffer": buf}}])
@@ -199,28 +203,22 @@ def _measure_subgroup(ctx: DeviceContext) -> tuple[int | None, str]:
     return size, ""
 
 
-def timestamp_period(device: Any) -> float:
-    """Nanoseconds per timestamp tick of ``device``'s queue (wgpu-native); 1.0 if it cannot tell.
+def timestamp_period(device: Any, runtime: Runtime = WGPU_NATIVE) -> float:
+    """Nanoseconds per timestamp tick of ``device``'s queue; 1.0 if it cannot tell.
 
     WebGPU promises nanoseconds, but wgpu-native resolves raw ticks unless asked to normalise;
-    on the devices measured so far (NVIDIA Vulkan, lavapipe) the period is 1.0.
+    on the devices measured so far (NVIDIA Vulkan, lavapipe) the period is 1.0. Dawn resolves
+    nanoseconds.
     """
+    return runtime.timestamp_period(device)
+
+
+def request_adapter(power_preference: str = "high-performance", runtime: Runtime = WGPU_NATIVE):
+    """Return an adapter of ``runtime`` or None. Raises ImportError when its module is missing."""
+    gpu = runtime.gpu()
     try:
-        from wgpu.backends.wgpu_native._ffi import lib
-
-        period = float(lib.wgpuQueueGetTimestampPeriod(device.queue._internal))
-        return period if period > 0 else 1.0
-    except Exception:
-        return 1.0
-
-
-def request_adapter(power_preference: str = "high-performance"):
-    """Return a wgpu adapter or None. Raises ImportError when wgpu is missing."""
-    import wgpu
-
-    try:
-        return wgpu.gpu.request_adapter_sync(power_preference=power_preference)
-    except Exception:
+        return gpu.gpu.request_adapter_sync(power_preference=power_preference)
+    except Exception:  # (Dawn raises when it has only its Null adapter)
         return None
 
 
@@ -247,17 +245,19 @@ def open_device(
     disable_features: tuple[str, ...],
     timestamps: bool = False,
     generation: int = 0,
+    runtime: Runtime = WGPU_NATIVE,
 ) -> DeviceContext:
-    """Request an adapter and a device with the options of :class:`WgpuBackend`."""
+    """Request an adapter and a device of ``runtime`` with the options of :class:`WgpuBackend`."""
     from ...errors import BackendUnavailableError
 
+    name = runtime.name
     try:
-        import wgpu  # noqa: F401
+        runtime.gpu()
     except ImportError as exc:
-        raise BackendUnavailableError(f"backend 'wgpu' is unavailable: {INSTALL_HINT} [R18]") from exc
-    adapter = request_adapter(power_preference)
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {runtime.install_hint} [R18]") from exc
+    adapter = request_adapter(power_preference, runtime)
     if adapter is None:
-        raise BackendUnavailableError(f"backend 'wgpu' is unavailable: {DRIVER_HINT} [R18]")
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {runtime.driver_hint} [R18]")
     alimits = dict(adapter.limits)
     if isinstance(required_limits, str):
         if required_limits == "adapter":
@@ -265,19 +265,19 @@ def open_device(
         elif required_limits == "default":
             req = {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in alimits}
         else:
-            raise ValueError(f"WgpuBackend(): required_limits must be 'default', 'adapter' or a dict, got {required_limits!r}")
+            raise ValueError(f"{type_name(runtime)}(): required_limits must be 'default', 'adapter' or a dict, "
+                             f"got {required_limits!r}")
     else:
         req = {k: v for k, v in WEBGPU_DEFAULT_LIMITS.items() if k in alimits}
         req.update({str(k).replace("_", "-"): int(v) for k, v in dict(required_limits).items()})
-    disabled = {f.replace("_", "-") for f in disable_features}
+    disabled = {runtime.runtime_feature(f) for f in disable_features}
     afeats = {str(f) for f in adapter.features}
-    wanted = WANTED_FEATURES
-    feats = [f for f in wanted if f in afeats and f not in disabled]
+    feats = [f for f in runtime.wanted_features() if f in afeats and f not in disabled]
     try:
-        device = adapter.request_device_sync(required_features=feats, required_limits=req)
+        device = runtime.request_device(adapter, feats, req)
     except Exception as exc:
         raise BackendUnavailableError(
-            f"backend 'wgpu' could not open a device on {adapter_summary(adapter)} "
+            f"backend {name!r} could not open a device on {adapter_summary(adapter)} "
             f"(features {feats}, limits {required_limits!r}): {exc} [R18]"
         ) from exc
     lim = dict(device.limits)
@@ -286,13 +286,13 @@ def open_device(
     binding = min(binding, bufsize)
     if max_binding_size is not None:
         if int(max_binding_size) < 256:
-            raise ValueError(f"WgpuBackend(): max_binding_size must be >= 256 bytes, got {max_binding_size}")
+            raise ValueError(f"{type_name(runtime)}(): max_binding_size must be >= 256 bytes, got {max_binding_size}")
         binding = min(binding, int(max_binding_size))
     binding -= binding % 4
     wgdim = int(lim["max-compute-workgroups-per-dimension"])
     if max_workgroups_per_dim is not None:
         if int(max_workgroups_per_dim) < 1:
-            raise ValueError(f"WgpuBackend(): max_workgroups_per_dim must be >= 1, got {max_workgroups_per_dim}")
+            raise ValueError(f"{type_name(runtime)}(): max_workgroups_per_dim must be >= 1, got {max_workgroups_per_dim}")
         wgdim = min(wgdim, int(max_workgroups_per_dim))
     info = adapter.info
     ctx = DeviceContext(
@@ -300,7 +300,7 @@ def open_device(
         device=device,
         summary=adapter_summary(adapter),
         adapter_type=str(info.get("adapter_type", "")),
-        features=frozenset(str(f) for f in device.features),
+        features=runtime.logical_features(device.features),
         limits={k: int(lim[k]) for k in REPORTED_LIMITS if k in lim},
         binding_size=binding,
         buffer_size=bufsize,
@@ -309,8 +309,11 @@ def open_device(
         max_invocations=int(lim["max-compute-invocations-per-workgroup"]),
         uniform_align=max(256, int(lim.get("min-uniform-buffer-offset-alignment", 256))),
         generation=generation,
-        ns_per_tick=timestamp_period(device),
+        ns_per_tick=timestamp_period(device, runtime),
+        runtime=runtime,
     )
+    if runtime.sgmat_feature in feats:
+        ctx.sgmat = runtime.subgroup_matrix_configs(adapter)
     # measured here, with the device, so that no call compiles or allocates anything before its
     # own checks (a refused call must leave the device untouched)
     ctx.subgroup = _measure_subgroup(ctx)
@@ -338,28 +341,32 @@ def destroy_all(buffers) -> None:
 
 @contextlib.contextmanager
 def device_errors(what: str, **sizes: Any) -> Iterator[None]:
-    """Translate wgpu validation / out-of-memory / internal errors into DeviceError with context."""
-    import wgpu
-
+    """Translate WebGPU validation / out-of-memory / internal errors into DeviceError with context."""
     try:
         yield
     except DeviceError:
         raise
-    except (wgpu.GPUError, wgpu.GPUPipelineError, MemoryError) as exc:
+    except (*gpu_error_types(), MemoryError) as exc:
         ctx = ", ".join(f"{k}={v}" for k, v in sizes.items())
         kind = "out of memory" if isinstance(exc, MemoryError) else type(exc).__name__
-        raise DeviceError(f"wgpu backend: {what} failed ({kind}){' with ' + ctx if ctx else ''}: {exc}") from exc
+        raise DeviceError(f"WGSL backend: {what} failed ({kind}){' with ' + ctx if ctx else ''}: {exc}") from exc
 
 
-def create_shader_module(device: Any, code: str, label: str, *, checks: bool = True) -> Any:
-    """A WGSL shader module; ``checks=False`` compiles it without the runtime checks.
+def type_name(runtime: Runtime) -> str:
+    return "DawnBackend" if runtime.name == "dawn" else "WgpuBackend"
+
+
+def create_shader_module(device: Any, code: str, label: str, *, checks: bool = True,
+                         runtime: Runtime = WGPU_NATIVE) -> Any:
+    """A WGSL shader module; ``checks=False`` compiles it without the runtime checks where the
+    runtime can (wgpu-native; Dawn keeps them: its equivalent is a device-wide toggle).
 
     By default naga clamps every array index and bounds every loop (WebGPU's safety rules).
     ``checks=False`` goes through wgpu-native's ``wgpuDeviceCreateShaderModuleTrusted`` with no
     checks: only for kernels whose every index the host has already proved in range (validation
     plus planning), since an out-of-range access is then undefined behaviour on the device.
     """
-    if checks:
+    if checks or not runtime.trusted_modules:
         return device.create_shader_module(code=code, label=label)
     from wgpu.backends.wgpu_native import _api
     from wgpu.backends.wgpu_native._ffi import ffi, lib

@@ -22,8 +22,9 @@ from ..._types import DeviceArray
 from ...errors import DeviceError, UnsupportedError
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._device import after_device_error, destroy_all, device_errors
-from ._plan import grid_dispatches, unique_sorted
 from ._kernels import pipeline
+from ._plan import grid_dispatches, unique_sorted
+from ._webgpu import BufferUsage, MapMode
 
 __all__ = ["IndexBranchMixin", "decode_score_keys"]
 
@@ -86,22 +87,20 @@ class _Run:
         self.reads: list = []  # (buffer, nbytes, callback)
 
     def data(self, arr: np.ndarray, label: str):
-        import wgpu
 
         arr = np.ascontiguousarray(arr)
         raw = arr.reshape(-1).view(np.uint8)
         if raw.nbytes < 16 or raw.nbytes % 4:
             raw = np.concatenate([raw, np.zeros(max(16 - raw.nbytes, (-raw.nbytes) % 4), np.uint8)])
-        b = self.dev.create_buffer_with_data(data=raw, usage=wgpu.BufferUsage.STORAGE, label=label)
+        b = self.dev.create_buffer_with_data(data=raw, usage=BufferUsage.STORAGE, label=label)
         self.owned.append(b)
         return b
 
     def output(self, nbytes: int, label: str):
         """A zero-initialised storage buffer (WebGPU zero-fills new buffers) read back at the end."""
-        import wgpu
 
         size = max(16, nbytes + (-nbytes) % 4)
-        b = self.dev.create_buffer(size=size, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC,
+        b = self.dev.create_buffer(size=size, usage=BufferUsage.STORAGE | BufferUsage.COPY_SRC,
                                    label=label)
         self.owned.append(b)
         return b
@@ -114,7 +113,6 @@ class _Run:
         self.reads.append((buf, nbytes, sink))
 
     def submit(self) -> None:
-        import wgpu
 
         dev, align = self.dev, self.ctx.uniform_align
         enc = dev.create_command_encoder(label="paged_sparse_attn.index_branch")
@@ -122,7 +120,7 @@ class _Run:
             params = np.zeros((len(self.records), align // 4), dtype=np.uint32)
             for i, r in enumerate(self.records):
                 params[i, :r.shape[0]] = r
-            pbuf = dev.create_buffer_with_data(data=params, usage=wgpu.BufferUsage.UNIFORM, label="params")
+            pbuf = dev.create_buffer_with_data(data=params, usage=BufferUsage.UNIFORM, label="params")
             self.owned.append(pbuf)
             cp = enc.begin_compute_pass()
             for i, (pipe, bgl, res, gx, gy) in enumerate(self.calls):
@@ -136,14 +134,14 @@ class _Run:
         for buf, nbytes, sink in self.reads:
             if nbytes == 0:
                 continue
-            rb = dev.create_buffer(size=max(16, nbytes), usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST,
+            rb = dev.create_buffer(size=max(16, nbytes), usage=BufferUsage.MAP_READ | BufferUsage.COPY_DST,
                                    label="readback")
             self.owned.append(rb)
             enc.copy_buffer_to_buffer(buf, 0, rb, 0, nbytes)
             staging.append((rb, nbytes, sink))
         dev.queue.submit([enc.finish()])
         for rb, nbytes, sink in staging:
-            rb.map_sync(wgpu.MapMode.READ)
+            rb.map_sync(MapMode.READ)
             sink(np.frombuffer(rb.read_mapped(0, nbytes), dtype=np.uint8).copy())
             rb.unmap()
 

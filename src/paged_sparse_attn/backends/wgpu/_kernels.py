@@ -11,44 +11,66 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...errors import UnsupportedError
 from ._device import DeviceContext, create_shader_module, device_errors
 from ._shaders import shader_source
+from ._webgpu import BufferBindingType, ShaderStage
 
-__all__ = ["Kernel", "KERNEL_TABLE", "pipeline"]
+__all__ = ["KERNEL_TABLE", "SGMAT_SHAPE", "Kernel", "kernel_source", "pipeline"]
+
+SGMAT_SHAPE = (16, 16, 16)
+"""The subgroup-matrix configuration (M, N, K; f16 x f16 -> f32) the tensor-core kernels use."""
 
 
 @dataclass(frozen=True)
 class Kernel:
     """A row of the kernel table."""
 
-    bindings: str          # binding kinds in order: u (uniform), r (read-only storage), w (storage)
-    f16: bool = False      # has a float16 variant (kv_t aliased to f16)
-    trusted: bool = False  # may be compiled without runtime checks (every index proved in range)
+    bindings: str            # binding kinds in order: u (uniform), r (read-only storage), w (storage)
+    f16: bool = False        # has a float16 variant (kv_t aliased to f16)
+    trusted: bool = False    # may be compiled without runtime checks (every index proved in range)
+    subgroups: bool = False  # uses subgroup builtins (Tint wants `enable subgroups;`, naga refuses it)
+    sgmat: bool = False      # uses subgroup matrices: compiled only where (16, 16, 16) is in ctx.sgmat;
+                             # the loader prepends `enable f16;` and the subgroup-matrix directive
 
 
 KERNEL_TABLE: dict[str, Kernel] = {
     # attention (R14, R15)
     "psa_partials.wgsl": Kernel("urrrrww", f16=True, trusted=True),
-    "psa_partials_decode.wgsl": Kernel("urrrrww", trusted=True),  # caches as 16-byte units, any dtype
+    "psa_partials_decode.wgsl": Kernel("urrrrww", trusted=True, subgroups=True),  # caches as 16-byte units, any dtype
     "psa_merge.wgsl": Kernel("urrrww", trusted=True),
     # the KV-outer inversion on the device (R13, R31, R33)
     "psa_invert.wgsl": Kernel("urrwrwwww"),
     "psa_scan.wgsl": Kernel("urw"),
     # the index branch (R22, R24)
-    "psa_block_scores.wgsl": Kernel("urrrrw", f16=True),
+    "psa_block_scores.wgsl": Kernel("urrrrw", f16=True, subgroups=True),
     "psa_block_scores_decode.wgsl": Kernel("urrrrw", f16=True),
     "psa_select_topk.wgsl": Kernel("urrw"),
+    # ceilings the benchmark measures (no attention kernel)
+    "psa_gemm_sgmat.wgsl": Kernel("urrw", sgmat=True),
 }
 
 
-def _layout(ctx: DeviceContext, kernel: str):
-    import wgpu
+def kernel_source(ctx: DeviceContext, kernel: str, *, f16: bool = False) -> str:
+    """WGSL of ``kernel`` as ``ctx``'s runtime compiles it (the directives its compiler wants)."""
+    row = KERNEL_TABLE[kernel]
+    src = shader_source(kernel, f16=f16 and row.f16)
+    if row.sgmat:
+        if SGMAT_SHAPE not in ctx.sgmat:
+            raise UnsupportedError(f"{kernel} needs {SGMAT_SHAPE[0]}x{SGMAT_SHAPE[1]}x{SGMAT_SHAPE[2]} f16 subgroup "
+                                   f"matrices, which {ctx.summary} does not offer [R18]")
+        src = "enable f16;\nenable chromium_experimental_subgroup_matrix;\n" + src
+    if row.subgroups or row.sgmat:
+        src = ctx.runtime.subgroup_directive + src
+    return src
 
+
+def _layout(ctx: DeviceContext, kernel: str):
     hit = ctx.layouts.get(kernel)
     if hit is None:
-        t = {"u": wgpu.BufferBindingType.uniform, "r": wgpu.BufferBindingType.read_only_storage,
-             "w": wgpu.BufferBindingType.storage}
-        entries = [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": {"type": t[k]}}
+        t = {"u": BufferBindingType.uniform, "r": BufferBindingType.read_only_storage,
+             "w": BufferBindingType.storage}
+        entries = [{"binding": i, "visibility": ShaderStage.COMPUTE, "buffer": {"type": t[k]}}
                    for i, k in enumerate(KERNEL_TABLE[kernel].bindings)]
         with device_errors(f"bind group layout of {kernel}"):
             bgl = ctx.device.create_bind_group_layout(entries=entries)
@@ -72,7 +94,8 @@ def pipeline(ctx: DeviceContext, kernel: str, constants: dict, *, entry: str = "
     if hit is None:
         bgl, pl = _layout(ctx, kernel)
         with device_errors(f"pipeline creation of {kernel}:{entry}", f16=f16, **constants):
-            module = create_shader_module(ctx.device, shader_source(kernel, f16=f16), kernel, checks=checks)
+            module = create_shader_module(ctx.device, kernel_source(ctx, kernel, f16=f16), kernel, checks=checks,
+                                          runtime=ctx.runtime)
             pipe = ctx.device.create_compute_pipeline(
                 layout=pl, compute={"module": module, "entry_point": entry, "constants": constants},
                 label=f"{kernel}:{entry}")

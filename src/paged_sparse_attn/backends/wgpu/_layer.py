@@ -35,6 +35,7 @@ from ._device import after_device_error, destroy_all, device_errors
 from ._kernels import pipeline
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read
+from ._webgpu import BufferUsage, QueryType
 
 __all__ = ["DeviceRuntime"]
 
@@ -101,13 +102,12 @@ class DeviceRuntime:
         return b
 
     def _build(self, L: BatchLayout) -> None:
-        import wgpu
 
         be = self.be
         fn = "plan_attention"
         ctx = self.ctx = be._device()
         self.generation = be._generation
-        U = wgpu.BufferUsage
+        U = BufferUsage
         Tq, Hkv, K, msb, B = L.num_queries, L.num_kv_heads, L.topk, L.msb, L.num_seqs
         G, D, S, BS, ppb = L.group_size, L.head_dim, L.page_size, L.block_size, L.pages_per_block
         itemsize = L.kv_dtype.itemsize
@@ -183,7 +183,7 @@ class DeviceRuntime:
         rows_grid = _grid(-(-R // INV_WG), maxdim)
         edges_grid = _grid(-(-emax // INV_WG), maxdim)
         slab4 = (S * (-(-D // 4) * 4)) // 4
-        inv = lambda gx, K=K: _words(Tq, Hkv, K, msb, BS, ppb, L.block_tables.shape[1], n_flags, G, nh, hpi, epi,  # noqa: E731
+        inv = lambda gx, K=K: _words(Tq, Hkv, K, msb, BS, ppb, L.block_tables.shape[1], n_flags, G, nh, hpi, epi,
                                 erec_base, page_base, gx_p, emax, 2 * Tq, 2 * Tq + 2 * B, s1_dst, s1_tiles, nt1,
                                 w2_off, s2_dst, s2_tiles, nt2, gx, slab4, float(L.softmax_scale), 0, 0, 0, 0)
         g1, g2 = _grid(nt1, maxdim), _grid(nt2, maxdim)
@@ -215,7 +215,7 @@ class DeviceRuntime:
         def bg(bgl, res):
             return dev.create_bind_group(layout=bgl, entries=[{"binding": j, "resource": r} for j, r in enumerate(res)])
 
-        inv_res = lambda i: [ub(i, 128)] + [{"buffer": b} for b in (self.sel, self.lay, self.work, self.scan,  # noqa: E731
+        inv_res = lambda i: [ub(i, 128)] + [{"buffer": b} for b in (self.sel, self.lay, self.work, self.scan,
                                                                     self.edges, self.merge, self.plan, self.args)]
         bgl_inv = self.p_inv["mark"][1]
         self.bg_rows = bg(bgl_inv, inv_res(R_ROWS))
@@ -255,13 +255,12 @@ class DeviceRuntime:
 
     def _result_buffer(self):
         """A buffer for a device call's results: one whose results nobody holds any more, or new."""
-        import wgpu
 
         if self.pool:
             return self.pool.pop()
         return self.ctx.device.create_buffer(size=CallResult.nbytes(self.Tq, self.Hq, self.D),
-                                             usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC
-                                             | wgpu.BufferUsage.COPY_DST, label="results")
+                                             usage=BufferUsage.STORAGE | BufferUsage.COPY_SRC
+                                             | BufferUsage.COPY_DST, label="results")
 
     def _read_results(self, buf, nbytes: int) -> np.ndarray:
         """Bytes of a device call's result buffer, through the plan's mapped readback buffer (one
@@ -435,14 +434,13 @@ class DeviceRuntime:
         return {"query_set": qs, "beginning_of_pass_write_index": 2 * i, "end_of_pass_write_index": 2 * i + 1}
 
     def _timing_setup(self):
-        import wgpu
 
         want = self.be._opts.get("timestamps") and "timestamp-query" in self.ctx.features
         if want and getattr(self, "_qset", None) is None:
             dev = self.ctx.device
-            self._qset = dev.create_query_set(type=wgpu.QueryType.timestamp, count=8)
-            self._tsbuf = self._buffer(64, wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC, "ts")
-            self._tsrb = self._buffer(64, wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST, "ts.rb")
+            self._qset = dev.create_query_set(type=QueryType.timestamp, count=8)
+            self._tsbuf = self._buffer(64, BufferUsage.QUERY_RESOLVE | BufferUsage.COPY_SRC, "ts")
+            self._tsrb = self._buffer(64, BufferUsage.MAP_READ | BufferUsage.COPY_DST, "ts.rb")
         return want
 
     def _timings(self, enc, sparse: bool) -> None:
@@ -525,13 +523,12 @@ class DeviceRuntime:
 
     def _empty(self, fn, device_out: bool, L: BatchLayout):
         """No slot to attend (Tq = 0 or topk = 0): out = 0, lse = -inf (R11)."""
-        import wgpu
 
         Tq, Hq, D = L.num_queries, L.num_q_heads, L.head_dim
         if not device_out:
             return np.zeros((Tq, Hq, D), np.float32), np.full((Tq, Hq), -np.inf, np.float32)
         buf = self.ctx.device.create_buffer(size=CallResult.nbytes(Tq, Hq, D),
-                                            usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC, label="results")
+                                            usage=BufferUsage.STORAGE | BufferUsage.COPY_SRC, label="results")
         res = CallResult(self.be, buf, Tq, Hq, D, fn=fn, num_kv_heads=L.num_kv_heads, msb=L.msb,
                          generation=self.generation)  # WebGPU zero-fills: out 0, l 0 (lse -inf), no error
         return res.tensors()
@@ -601,10 +598,10 @@ class DeviceRuntime:
     def _sparse_setup(self, fn: str, ik):
         """The index branch's buffers, made once per index cache layout: page lists, work items,
         scores, local blocks, the top-k's parameters, and the inversion's records for its output."""
-        import wgpu
 
         from ..._types import IndexProblem
-        from ._index_branch import TOPK, TOPK_CAP, TOPK_WG, PARAM_BYTES as SREC, _record
+        from ._index_branch import PARAM_BYTES as SREC
+        from ._index_branch import TOPK, TOPK_CAP, TOPK_WG, _record
         from ._plan import grid_dispatches
 
         key = ik.buffers()[0].uid
@@ -622,7 +619,7 @@ class DeviceRuntime:
         if st is not None and st.step < Tq:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs the block scores of all {Tq} queries in one "
                                    "storage binding for a device-resident layer; plan fewer queries [R18]")
-        U = wgpu.BufferUsage
+        U = BufferUsage
         dev = ctx.device
         maxdim = ctx.workgroups_per_dim
         align = self.align
@@ -667,7 +664,7 @@ class DeviceRuntime:
             entries = [{"buffer": cbuf, "offset": i * align, "size": SREC}] + [{"buffer": b} for b in res]
             sp.calls.append((pipe, self._bg(bgl, entries), (gx, gy)))
         bgl_inv = self.p_inv["mark"][1]
-        sub = lambda i: [{"buffer": cbuf, "offset": i * align, "size": 128}] + self._inv_res(0)[1:]  # noqa: E731
+        sub = lambda i: [{"buffer": cbuf, "offset": i * align, "size": 128}] + self._inv_res(0)[1:]
         sp.groups = (self._bg(bgl_inv, sub(n)), self._bg(bgl_inv, sub(n + 1)))
         self.sparse = sp
         return sp

@@ -133,3 +133,19 @@ class ProfilingMixin:
             r = read_bandwidth(self._device(), nbytes, repeat, warmup_s=warmup_s)
         self.last_timings = {k: v for k, v in r.items() if k != "bytes_per_s"}
         return r["bytes_per_s"]
+
+    def matmul_rate(self, size: int = 4096, repeat: int = 10) -> float:
+        """Subgroup-matrix (tensor core) f16 matrix product rate in FLOP/s, median of ``repeat``.
+
+        Times ``psa_gemm_sgmat.wgsl`` on ``size`` x ``size`` x ``size`` (f16 operands, f32
+        result), the fastest of its tile shapes, and checks 64 rows against numpy:
+        :attr:`last_timings` holds ``gemm_s``, ``tiles``, ``max_abs_err`` and ``timer``.
+        Raises :class:`~paged_sparse_attn.UnsupportedError` on a device without 16x16x16 f16
+        subgroup matrices (wgpu-native has none; Dawn offers them where the driver does).
+        """
+        from ._ceilings import matmul_rate
+
+        with self._lock:
+            r = matmul_rate(self._device(), size, repeat)
+        self.last_timings = {k: v for k, v in r.items() if k != "flop_per_s"}
+        return r["flop_per_s"]

@@ -18,8 +18,9 @@ import numpy as np
 from ..._types import DeviceArray
 from ...errors import DeviceError, SpecError
 from ._device import destroy_all, device_errors
+from ._webgpu import BufferUsage
 
-__all__ = ["WgpuTensor", "CallResult", "error_message"]
+__all__ = ["CallResult", "WgpuTensor", "error_message"]
 
 ERR_RANGE = 1
 ERR_DUPLICATE = 2
@@ -53,7 +54,7 @@ class WgpuTensor(DeviceArray):
     """
 
     def __init__(self, backend: Any, buffer: Any, shape: tuple, dtype: Any, *, offset: int = 0,
-                 generation: int, owner: "CallResult | None" = None, label: str = "array"):
+                 generation: int, owner: CallResult | None = None, label: str = "array"):
         self.backend = backend
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
@@ -208,7 +209,7 @@ class CallResult:
 def lse_from_ml(ml: np.ndarray) -> np.ndarray:
     """Natural-log LSE from the combine's ``(m, l)`` rows: ``m + ln l``, ``-inf`` where ``l = 0``
     (a NaN ``l``, from NaN or Inf in attended data, gives NaN, as in the reference)."""
-    l = ml[:, 1].astype(np.float64)  # noqa: E741
+    l = ml[:, 1].astype(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = np.where(l != 0, ml[:, 0].astype(np.float64) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
     return lse.astype(np.float32)
@@ -216,12 +217,11 @@ def lse_from_ml(ml: np.ndarray) -> np.ndarray:
 
 def upload(backend, ctx, x: np.ndarray, label: str) -> WgpuTensor:
     """A WgpuTensor holding a copy of host array ``x`` (any dtype numpy can view as bytes)."""
-    import wgpu
 
     arr = np.ascontiguousarray(x)
     raw = arr.reshape(-1).view(np.uint8)
     pad = max(16, raw.nbytes + (-raw.nbytes) % 4)
-    usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+    usage = BufferUsage.STORAGE | BufferUsage.COPY_SRC | BufferUsage.COPY_DST
     with device_errors(f"upload of {label}", bytes=raw.nbytes):
         buf = ctx.device.create_buffer(size=pad, usage=usage, label=label)
         if raw.nbytes:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ._device import destroy_all
+from ._webgpu import BufferUsage, MapMode
 
 __all__ = ["CallBuffers", "bind_group", "map_read"]
 
@@ -70,12 +71,11 @@ class CallBuffers:
         (measured: a pooled one re-mapped between calls, or one mapped at creation per call), and
         simpler: wgpu recycles its staging memory once the submission is done.
         """
-        import wgpu
 
         arr = np.ascontiguousarray(arr)
         if arr.nbytes % 4:
             arr = np.concatenate([arr.reshape(-1).view(np.uint8), np.zeros(-arr.nbytes % 4, np.uint8)])
-        b = self.get(arr.nbytes, usage | wgpu.BufferUsage.COPY_DST, label, slot)
+        b = self.get(arr.nbytes, usage | BufferUsage.COPY_DST, label, slot)
         if arr.nbytes:
             self.ctx.device.queue.write_buffer(b, 0, arr)
         return b
@@ -107,9 +107,8 @@ def map_read(buf, nbytes: int) -> memoryview:
         except (ValueError, KeyError, TypeError, AttributeError):  # a wgpu-py without it: checked before mapping
             _NOSYNC = False
     if not _NOSYNC:
-        import wgpu
 
-        buf.map_sync(wgpu.MapMode.READ, 0, nbytes)
+        buf.map_sync(MapMode.READ, 0, nbytes)
     return buf.read_mapped(0, nbytes, copy=False)
 
 

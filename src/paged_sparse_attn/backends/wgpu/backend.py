@@ -16,24 +16,35 @@ reports why the backend cannot run instead of raising.
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 import time
 import weakref
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import numpy as np
 
-from ..._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from ..._types import (
+    Availability,
+    Capabilities,
+    DeviceArray,
+    KVOuterIndex,
+    Partials,
+    Problem,
+)
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._decode import KERNELS, choose_decode_geometry, decode_ineligible
-from ._device import (DRIVER_HINT, after_device_error, INSTALL_HINT, DeviceContext, destroy_all, device_errors,
-                      open_device, subgroup_size)
+from ._device import (
+    DeviceContext,
+    after_device_error,
+    destroy_all,
+    device_errors,
+    open_device,
+    subgroup_size,
+)
 from ._index_branch import IndexBranchMixin
 from ._kernels import pipeline
-from ._profiling import ProfilingMixin
-from ._resident import MERGE_WG, ResidentMixin, layout_bytes
 from ._plan import (
     BatchPlan,
     Geometry,
@@ -43,11 +54,15 @@ from ._plan import (
     plan_forward,
     plan_partials,
 )
+from ._profiling import ProfilingMixin
+from ._resident import MERGE_WG, ResidentMixin, layout_bytes
+from ._runtime import DAWN, WGPU_NATIVE, Runtime
 from ._tensors import WgpuTensor, lse_from_ml
 from ._tensors import upload as upload_tensor
 from ._transfer import CallBuffers, bind_group
+from ._webgpu import BufferUsage, QueryType
 
-__all__ = ["WgpuBackend", "WgpuArray", "WgpuTensor"]
+__all__ = ["DawnBackend", "WgpuArray", "WgpuBackend", "WgpuTensor"]
 
 PARTIALS = "psa_partials.wgsl"
 MERGE = "psa_merge.wgsl"
@@ -124,6 +139,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
     """
 
     name: ClassVar[str] = "wgpu"
+    runtime: ClassVar[Runtime] = WGPU_NATIVE  # the WebGPU implementation (wgpu-native; Dawn: DawnBackend)
     _probe_cache: ClassVar[Availability | None] = None
 
     def __init__(self, *, power_preference: str = "high-performance", required_limits: Any = "adapter",
@@ -132,22 +148,22 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                  timestamps: bool = False, max_device_bytes: int | None = None,
                  partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False):
         if power_preference not in ("high-performance", "low-power"):
-            raise ValueError(f"WgpuBackend(): power_preference must be 'high-performance' or 'low-power', "
+            raise ValueError(f"{type(self).__name__}(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
         self._opts = dict(power_preference=power_preference, required_limits=required_limits,
                           max_binding_size=max_binding_size, max_workgroups_per_dim=max_workgroups_per_dim,
                           disable_features=tuple(disable_features), timestamps=bool(timestamps))
         if partials_kernel not in ("auto", *KERNELS):
-            raise ValueError(f"WgpuBackend(): partials_kernel must be 'auto', 'generic' or 'decode', "
+            raise ValueError(f"{type(self).__name__}(): partials_kernel must be 'auto', 'generic' or 'decode', "
                              f"got {partials_kernel!r}")
         self._kernel = partials_kernel
         if batch_invariant and partials_kernel == "decode":
-            raise ValueError("WgpuBackend(): batch_invariant=True runs the generic partials kernel; it cannot be "
+            raise ValueError(f"{type(self).__name__}(): batch_invariant=True runs the generic partials kernel; it cannot be "
                              "combined with partials_kernel='decode'")
         self._batch_invariant = bool(batch_invariant)
         self._kernel_override: str | None = None  # profile_forward(kernel=...)
         if max_device_bytes is not None and int(max_device_bytes) < 1:
-            raise ValueError(f"WgpuBackend(): max_device_bytes must be >= 1, got {max_device_bytes}")
+            raise ValueError(f"{type(self).__name__}(): max_device_bytes must be >= 1, got {max_device_bytes}")
         self._max_bytes = None if max_device_bytes is None else int(max_device_bytes)
         self._resident: weakref.WeakSet = weakref.WeakSet()  # live WgpuArrays (memory accounting)
         self._lock = threading.RLock()
@@ -162,7 +178,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         self._open()
         wg = None if workgroup_size is None else int(workgroup_size)
         if wg is not None and (wg < 64 or wg > self._ctx.max_invocations):  # 64 = ceil(256 / 4): every head dim fits
-            raise ValueError(f"WgpuBackend(): workgroup_size must be in 64..{self._ctx.max_invocations}, got {wg}")
+            raise ValueError(f"{type(self).__name__}(): workgroup_size must be in 64..{self._ctx.max_invocations}, got {wg}")
         self._wg = wg  # None: chosen per call (_shape)
         self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
         self._decode_wg: int | None = None  # decode kernel workgroup size, for tuning experiments
@@ -176,30 +192,35 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     @classmethod
     def probe(cls) -> Availability:
-        """Whether wgpu and an adapter are present (cached; never raises)."""
+        """Whether the runtime's module and an adapter are present (cached; never raises)."""
         if cls._probe_cache is not None:
             return cls._probe_cache
+        rt = cls.runtime
         try:
-            try:
-                import wgpu  # noqa: F401
-            except ImportError:
-                avail = Availability(False, INSTALL_HINT)
+            if not rt.installed():
+                avail = Availability(False, rt.install_hint)
             else:
                 from ._device import adapter_summary, request_adapter
 
-                adapter = request_adapter("high-performance")
+                adapter = request_adapter("high-performance", rt)
                 if adapter is None:
-                    avail = Availability(False, DRIVER_HINT)
+                    avail = Availability(False, rt.driver_hint)
                 else:
-                    avail = Availability(True, f"ok: {adapter_summary(adapter)}")
+                    extra = ""
+                    configs = rt.subgroup_matrix_configs(adapter)
+                    if configs:
+                        extra = "; subgroup matrices f16->f32 " + ", ".join(
+                            f"{m}x{n}x{k}" for m, n, k in sorted(configs, reverse=True))
+                    avail = Availability(True, f"ok: {adapter_summary(adapter)}{extra}")
         except Exception as exc:  # a probe never raises
-            avail = Availability(False, f"wgpu could not be initialised ({type(exc).__name__}: {exc}); {DRIVER_HINT}")
+            avail = Availability(False, f"{rt.module} could not be initialised ({type(exc).__name__}: {exc}); "
+                                        f"{rt.driver_hint}")
         cls._probe_cache = avail
         return avail
 
     def _open(self) -> None:
         self._generation += 1
-        self._ctx = open_device(generation=self._generation, **self._opts)
+        self._ctx = open_device(generation=self._generation, runtime=self.runtime, **self._opts)
         self._caps = None
 
     def _device(self) -> DeviceContext:
@@ -245,7 +266,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 max_block_size=None,
                 device_arrays=True,
                 deterministic=True, batch_invariant=self._batch_invariant, index_branch=True,
-                features=frozenset(ctx.features),
+                # subgroup-matrix configurations as features: "subgroup-matrix-f16-16x16x16" (f16 x f16 -> f32)
+                features=frozenset(ctx.features) | {f"subgroup-matrix-f16-{m}x{n}x{k}" for m, n, k in ctx.sgmat},
                 limits=limits,
                 device=ctx.summary,
             )
@@ -253,7 +275,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     def __repr__(self) -> str:
         dev = self._ctx.summary if self._ctx is not None else "closed"
-        return f"<WgpuBackend {dev!r}>"
+        return f"<{type(self).__name__} {dev!r}>"
 
     # --- pipelines ---------------------------------------------------------------------------------
 
@@ -366,7 +388,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         ml = np.zeros((E * G, 2), dtype=np.float32)
         if E:
             self._run(problem, index, "partials", o, ml)
-        l = ml[:, 1].copy()  # noqa: E741
+        l = ml[:, 1].copy()
         # l == 0: attended nothing; a NaN l (NaN/Inf in attended data) stays NaN (R14)
         m = np.where(l != 0, ml[:, 0], np.float32(-np.inf)).astype(np.float32)
         return Partials(o.reshape(E, G, D), m.reshape(E, G), l.reshape(E, G))
@@ -381,13 +403,12 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     def _device_lost(self) -> bool:
         """Whether the current device is lost (then even a 16-byte allocation fails)."""
-        import wgpu
 
         ctx = self._ctx
         if ctx is None:
             return False
         try:
-            ctx.device.create_buffer(size=16, usage=wgpu.BufferUsage.STORAGE, label="probe").destroy()
+            ctx.device.create_buffer(size=16, usage=BufferUsage.STORAGE, label="probe").destroy()
         except Exception:
             return True
         return False
@@ -501,7 +522,6 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     def _scratch(self, ctx: DeviceContext, o_bytes: int, ml_bytes: int):
         """Partials scratch buffers, kept across calls and grown when a call needs more."""
-        import wgpu
 
         have = ctx.scratch
         if have is None or have[0].size < o_bytes or have[1].size < ml_bytes:
@@ -509,7 +529,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 ctx.scratch = None
                 for b in have:
                     b.destroy()
-            usage = wgpu.BufferUsage.STORAGE
+            usage = BufferUsage.STORAGE
             o_buf = ctx.device.create_buffer(size=max(16, o_bytes), usage=usage, label="partials.o")
             try:
                 ml_buf = ctx.device.create_buffer(size=max(16, ml_bytes), usage=usage, label="partials.ml")
@@ -527,7 +547,6 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         ``reuse_bind_groups``: every buffer bound outlives the call (resident caches, pooled
         buffers), so bind groups may be cached across calls.
         """
-        import wgpu
 
         if not plans:
             return
@@ -548,7 +567,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         pooled = self._max_bytes is None
         bufs = CallBuffers(ctx, pooled)
         cache_bg = reuse_bind_groups and pooled
-        U = wgpu.BufferUsage
+        U = BufferUsage
         t_enc = time.perf_counter()
         try:
             kernel = getattr(geom, "kernel", PARTIALS)
@@ -564,7 +583,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 qset = None
                 one_pass = self._one_pass  # (set by profile_forward only)
                 if (self._opts["timestamps"] or self._profiling) and "timestamp-query" in ctx.features:
-                    qset = dev.create_query_set(type=wgpu.QueryType.timestamp,
+                    qset = dev.create_query_set(type=QueryType.timestamp,
                                                 count=2 * replay if one_pass else 2 * n_pass * replay)
                 split = qset is not None and not one_pass  # a timed pass per partials / merge run
                 maxdim = ctx.workgroups_per_dim
@@ -684,3 +703,21 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                                    gpu_total_s=float(np.median([x[2] for x in per])), gpu_replays=per)
         finally:
             bufs.close()
+
+
+class DawnBackend(WgpuBackend):
+    """The same WGSL kernels and host code on Dawn (Google's WebGPU, through ``wgpudawn``).
+
+    Takes every option of :class:`WgpuBackend`. What Dawn adds: the subgroup-matrix feature
+    (tensor cores from WGSL) on devices that have it, lower host cost per call. What it lacks:
+    shader modules without runtime checks (``runtime_checks`` has no effect: Dawn keeps its
+    bounds checks), and Mesa's lavapipe CPU driver (Dawn needs a GPU driver). The instance
+    toggles ``allow_unsafe_apis`` (subgroup matrices) and ``vulkan_enable_f16_on_nvidia`` (float16
+    on NVIDIA's Vulkan driver) are set before the process's first Dawn adapter request; if the
+    process created Dawn's instance earlier, the features those toggles unlock may be missing,
+    which ``capabilities`` shows.
+    """
+
+    name: ClassVar[str] = "dawn"
+    runtime: ClassVar[Runtime] = DAWN
+    _probe_cache: ClassVar[Availability | None] = None

@@ -1,0 +1,167 @@
+"""The WebGPU runtimes the WGSL backend runs on: wgpu-native (``wgpu``) and Dawn (``dawn``).
+
+Both are driven through the same Python API (wgpu-py's; ``wgpudawn`` implements it on Google's
+Dawn), so the backend's host code and its WGSL are shared. What differs is data, kept here in
+one record per runtime: the Python module, the pip extra, feature names, the WGSL directives a
+shader compiler wants, whether shader modules can be created without runtime checks, the
+instance and device toggles, and how to read the subgroup-matrix configurations.
+
+Nothing here imports a runtime at module import; :meth:`Runtime.gpu` does, when a backend is
+probed or opened.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["DAWN", "SUBGROUP", "SUBGROUP_MATRIX", "WGPU_NATIVE", "Runtime", "gpu_error_types"]
+
+# Logical feature names used by the host code (``DeviceContext.features``) for features the
+# runtimes spell differently.
+SUBGROUP = "subgroup"
+SUBGROUP_MATRIX = "subgroup-matrix"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What one WebGPU implementation needs from the host code (data, not try/except)."""
+
+    name: str                       # backend name in the registry
+    module: str                     # Python module with the wgpu-py API
+    extra: str                      # pip extra that installs it
+    subgroup_feature: str           # the runtime's name of the subgroup feature
+    subgroup_directive: str         # WGSL directive a shader using subgroup builtins needs ("" if none)
+    trusted_modules: bool           # shader modules can be created without runtime checks
+    sgmat_feature: str | None       # subgroup-matrix feature, or None where the runtime has none
+    instance_toggles: tuple[str, ...] = ()
+    device_toggles: tuple[str, ...] = ()
+    driver_hint: str = ""
+
+    @property
+    def install_hint(self) -> str:
+        return f"{self.module} is not installed: pip install paged_sparse_attn[{self.extra}]"
+
+    def installed(self) -> bool:
+        """Whether the runtime's module can be imported (without importing it)."""
+        if self.module in sys.modules:
+            return True
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def gpu(self) -> Any:
+        """The runtime's module, configured (instance toggles) on first use; ImportError if absent."""
+        mod = importlib.import_module(self.module)
+        if self.instance_toggles and not _configured.get(self.name):
+            _configured[self.name] = True
+            try:
+                from wgpudawn.backends.dawn import (
+                    extras,  # (only Dawn has instance toggles)
+                )
+
+                extras.set_instance_extras(enable_toggles=list(self.instance_toggles))
+            except RuntimeError:
+                # the process created Dawn's instance before us: its toggles stay as they are
+                # (f16 or subgroup matrices may then be missing: capabilities say so)
+                pass
+        return mod
+
+    def wanted_features(self) -> tuple[str, ...]:
+        """Features requested when the adapter has them (runtime spelling)."""
+        feats = ["shader-f16", "timestamp-query", self.subgroup_feature]
+        if self.sgmat_feature:
+            feats.append(self.sgmat_feature)
+        return tuple(feats)
+
+    def logical_features(self, features) -> frozenset:
+        """Device features in the host code's names (``subgroup``, ``subgroup-matrix``)."""
+        out = set()
+        for f in map(str, features):
+            if f == self.subgroup_feature:
+                out.add(SUBGROUP)
+            elif self.sgmat_feature and f == self.sgmat_feature:
+                out.add(SUBGROUP_MATRIX)
+            else:
+                out.add(f)
+        return frozenset(out)
+
+    def runtime_feature(self, name: str) -> str:
+        """A feature name as the runtime spells it (accepts logical or runtime names)."""
+        name = name.replace("_", "-")
+        if name in (SUBGROUP, self.subgroup_feature, "subgroups"):
+            return self.subgroup_feature
+        if name == SUBGROUP_MATRIX and self.sgmat_feature:
+            return self.sgmat_feature
+        return name
+
+    def request_device(self, adapter, features, limits):
+        if self.device_toggles:
+            from wgpudawn.backends.dawn import extras
+
+            return extras.request_device_sync(adapter, required_features=features, required_limits=limits,
+                                              disable_toggles=list(self.device_toggles))
+        return adapter.request_device_sync(required_features=features, required_limits=limits)
+
+    def subgroup_matrix_configs(self, adapter) -> frozenset:
+        """(M, N, K) of the adapter's f16 x f16 -> f32 subgroup-matrix configurations (empty if none)."""
+        if not self.sgmat_feature or self.sgmat_feature not in set(map(str, adapter.features)):
+            return frozenset()
+        try:
+            from wgpudawn.backends.dawn import _extras_adapter as xa
+
+            configs = xa.get_adapter_properties(adapter).get("subgroup_matrix_configs") or []
+        except Exception:  # a capability query never raises: no configurations
+            return frozenset()
+        return frozenset((int(c["m"]), int(c["n"]), int(c["k"])) for c in configs
+                         if c.get("component_type") == "f16" and c.get("result_component_type") == "f32")
+
+    def timestamp_period(self, device) -> float:
+        """Nanoseconds per resolved timestamp tick (Dawn resolves nanoseconds)."""
+        if self.name != "wgpu":
+            return 1.0
+        try:
+            from wgpu.backends.wgpu_native._ffi import lib
+
+            period = float(lib.wgpuQueueGetTimestampPeriod(device.queue._internal))
+            return period if period > 0 else 1.0
+        except Exception:
+            return 1.0
+
+
+_configured: dict[str, bool] = {}
+
+WGPU_NATIVE = Runtime(
+    name="wgpu", module="wgpu", extra="wgpu",
+    subgroup_feature="subgroup", subgroup_directive="", trusted_modules=True, sgmat_feature=None,
+    driver_hint=("no Vulkan/Metal/D3D12 driver found: on Debian/Ubuntu apt-get install mesa-vulkan-drivers "
+                 "(lavapipe) or install your GPU driver"),
+)
+
+DAWN = Runtime(
+    name="dawn", module="wgpudawn", extra="dawn",
+    subgroup_feature="subgroups", subgroup_directive="enable subgroups;\n", trusted_modules=False,
+    sgmat_feature="chromium-experimental-subgroup-matrix",
+    # subgroup matrices are behind allow_unsafe_apis; Dawn offers no f16 on NVIDIA's Vulkan driver
+    # without vulkan_enable_f16_on_nvidia (ignored elsewhere)
+    instance_toggles=("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"),
+    # timestamps at full resolution: the bench compares kernels of tens of microseconds
+    device_toggles=("timestamp_quantization",),
+    driver_hint=("Dawn found no GPU adapter it supports (it needs a Vulkan 1.1 driver with descriptor "
+                 "indexing, Metal or D3D12; Mesa's lavapipe CPU driver is not enough): install your GPU "
+                 "driver, or use the 'wgpu' backend"),
+)
+
+
+def gpu_error_types() -> tuple[type, ...]:
+    """The GPU error classes of every runtime this process has imported (for translation)."""
+    types: list[type] = []
+    for mod in ("wgpu", "wgpudawn"):
+        m = sys.modules.get(mod)
+        if m is not None:
+            types += [getattr(m, n) for n in ("GPUError", "GPUPipelineError") if hasattr(m, n)]
+    return tuple(types)
