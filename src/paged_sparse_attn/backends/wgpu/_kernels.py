@@ -16,6 +16,8 @@ from ._shaders import shader_source
 
 __all__ = ["Kernel", "KERNEL_TABLE", "pipeline"]
 
+SGMAT_ENABLES = "enable f16;\nenable chromium_experimental_subgroup_matrix;\n"
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -24,6 +26,7 @@ class Kernel:
     bindings: str          # binding kinds in order: u (uniform), r (read-only storage), w (storage)
     f16: bool = False      # has a float16 variant (kv_t aliased to f16)
     trusted: bool = False  # may be compiled without runtime checks (every index proved in range)
+    sgmat: bool = False    # uses subgroup matrices: f16 and the subgroup-matrix extension are enabled
 
 
 KERNEL_TABLE: dict[str, Kernel] = {
@@ -37,6 +40,7 @@ KERNEL_TABLE: dict[str, Kernel] = {
     # the index branch (R22, R24)
     "psa_block_scores.wgsl": Kernel("urrrrw", f16=True),
     "psa_block_scores_decode.wgsl": Kernel("urrrrw", f16=True),
+    "psa_block_scores_sgmat.wgsl": Kernel("urrrrw", sgmat=True),  # float16 index keys only
     "psa_select_topk.wgsl": Kernel("urrw"),
 }
 
@@ -71,8 +75,13 @@ def pipeline(ctx: DeviceContext, kernel: str, constants: dict, *, entry: str = "
     hit = ctx.pipelines.get(key)
     if hit is None:
         bgl, pl = _layout(ctx, kernel)
+        src = shader_source(kernel, f16=f16)
+        if row.sgmat:
+            if (16, 16, 16) not in getattr(ctx, "sgmat", frozenset()):
+                raise ValueError(f"{kernel} needs f16 16x16x16 subgroup matrices, which this device lacks")
+            src = SGMAT_ENABLES + src
         with device_errors(f"pipeline creation of {kernel}:{entry}", f16=f16, **constants):
-            module = create_shader_module(ctx.device, shader_source(kernel, f16=f16), kernel, checks=checks)
+            module = create_shader_module(ctx.device, src, kernel, checks=checks)
             pipe = ctx.device.create_compute_pipeline(
                 layout=pl, compute={"module": module, "entry_point": entry, "constants": constants},
                 label=f"{kernel}:{entry}")
