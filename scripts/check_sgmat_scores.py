@@ -30,11 +30,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from paged_sparse_attn import registry  # noqa: E402
-from paged_sparse_attn.backends.wgpu import _index_branch as ib  # noqa: E402
-from paged_sparse_attn.index_branch import block_scores, select_topk  # noqa: E402
-from paged_sparse_attn.index_branch._validation import validate_block_scores  # noqa: E402
-from paged_sparse_attn.index_branch.reference import block_scores_reference, select_topk_reference  # noqa: E402
+from paged_sparse_attn import registry
+from paged_sparse_attn.backends.wgpu import _index_branch as ib
+from paged_sparse_attn.index_branch import block_scores, select_topk
+from paged_sparse_attn.index_branch._validation import validate_block_scores
+from paged_sparse_attn.index_branch.reference import (
+    block_scores_reference,
+    select_topk_reference,
+)
 
 EPS = float(np.finfo(np.float32).eps)
 FAILS: list[str] = []
@@ -240,7 +243,7 @@ def gpu_time(be, p, repeat: int) -> tuple[float, str]:
             iq[:, :, :d] = prob.index_q
             items = st.plan(0, Tq)[0]
             words = np.concatenate([st.qend.astype(np.int32).view(np.uint32), items.astype(np.uint32).reshape(-1)])
-            mk = lambda a: dev.create_buffer_with_data(data=np.ascontiguousarray(a), usage=U.STORAGE)  # noqa: E731
+            mk = lambda a: dev.create_buffer_with_data(data=np.ascontiguousarray(a), usage=U.STORAGE)
             qbuf, pbuf, plbuf = mk(iq), mk(st.pt), mk(words)
             nbytes = Tq * Hkv * prob.msb * 4
             obuf = dev.create_buffer(size=nbytes, usage=U.STORAGE | U.COPY_DST | U.COPY_SRC)
@@ -314,7 +317,7 @@ def main() -> int:
     try:
         be = registry.get_backend(a.backend)
         ctx = be._device()
-    except Exception as exc:  # report, then stop: nothing else can run
+    except Exception as exc:  # noqa: BLE001 -- report, then stop: nothing else can run
         report(False, "open backend", f"{a.backend}: {type(exc).__name__}: {exc}")
         return 1
     spy_kernels(be)

@@ -9,8 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from paged_sparse_attn.backends.wgpu._index_branch import (SGMAT_MIN_DIM, sgmat_scores_geometry,
-                                                           sgmat_workgroup_bytes)
+from paged_sparse_attn.backends.wgpu._index_branch import (
+    SGMAT_MIN_DIM,
+    sgmat_scores_geometry,
+    sgmat_workgroup_bytes,
+)
 from paged_sparse_attn.backends.wgpu._kernels import KERNEL_TABLE
 
 
