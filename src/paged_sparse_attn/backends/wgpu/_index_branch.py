@@ -40,41 +40,6 @@ TOPK_WG = 64
 # resident); 64-row items (prefill) keep DCV = 8.
 SCORES_STAGE = {64: (8, 4, 2, 1)}
 SCORES_STAGE_SMALL = (2, 1)
-# The tensor-core variant (subgroup matrices, float16 index keys): dims staged per step (KD), in
-# order of preference, and the smallest d_idx it takes (below it the FMA kernel: see
-# docs/spec/numerics.md, "Block scores on tensor cores", for why the bound needs d_idx >= 16).
-SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
-SGMAT_STAGE = (32, 64, 16)
-SGMAT_MIN_DIM = 16
-SGMAT_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
-
-
-def sgmat_workgroup_bytes(kd: int, rt: int) -> int:
-    """Workgroup memory of psa_block_scores_sgmat.wgsl: staged hi and lo queries (RT + 1 rows) and
-    keys (129 positions) of KD + 8 f16, one 16 x 20 f32 result matrix per subgroup (+ a spare row),
-    the position flags, seven per-row arrays and two flags."""
-    kdp = kd + 8
-    return 2 * (2 * (rt + 1) * kdp) + 2 * 129 * kdp + 65 * 20 * 4 + 128 * 4 + 7 * 4 * rt + 12 + 64  # + alignment
-
-
-def sgmat_scores_geometry(ctx, f16: bool, d_idx: int, rt: int, batch_invariant: bool = False):
-    """Override constants of psa_block_scores_sgmat.wgsl for items of ``rt`` rows, or ``(None, why)``
-    when the tensor-core kernel does not apply (the FMA kernel runs)."""
-    if (16, 16, 16) not in getattr(ctx, "sgmat", frozenset()):
-        return None, "the device has no f16 16x16x16 subgroup matrices"
-    if not f16:
-        return None, "the index keys are not float16"
-    if batch_invariant:
-        return None, "batch_invariant=True keeps one kernel for every batch"
-    if d_idx < SGMAT_MIN_DIM:
-        return None, f"d_idx < {SGMAT_MIN_DIM}"
-    if getattr(ctx, "subgroup", (None,))[0] != SGMAT_SUBGROUP:
-        return None, f"the subgroup size is not {SGMAT_SUBGROUP}"
-    rt_k = max(16, int(rt))
-    for kd in SGMAT_STAGE:
-        if sgmat_workgroup_bytes(kd, rt_k) <= ctx.workgroup_storage:
-            return {"RT": rt_k, "SR": 2 if rt_k >= 32 else 1, "KD": kd}, ""
-    return None, f"{sgmat_workgroup_bytes(SGMAT_STAGE[-1], rt_k)} bytes of workgroup memory needed"
 
 
 def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
@@ -306,11 +271,6 @@ class IndexBranchMixin:
             RT = 8
             pipe, bgl = self._ib_pipeline(SCORES_DECODE, f16, {"DV": DV, "S": S, "BS": BS, "WG": SCORES_DECODE_WG,
                                                                   "NR": 4 if rows_per_seq <= 4 else 8})
-        elif (sg := sgmat_scores_geometry(ctx, f16, d, score_rows_per_item(rows_per_seq),
-                                          self._batch_invariant))[0] is not None:
-            # tensor cores: same items (of at most RT rows), bindings and output as the FMA kernel
-            RT = score_rows_per_item(rows_per_seq)
-            pipe, bgl = self._ib_pipeline(SCORES_SGMAT, False, {"DV": DV, "S": S, "BS": BS, **sg[0]})
         else:
             RT = score_rows_per_item(rows_per_seq)
             fits = [c for c in SCORES_STAGE.get(RT, SCORES_STAGE_SMALL)
