@@ -40,3 +40,71 @@ def test_tint_check_reports_a_bad_shader(monkeypatch):
     monkeypatch.setattr(_shaders, "shader_source", lambda n, **kw: bad if n == "bad.wgsl" else real(n, **kw))
     result = _shader_check.tint_check()
     assert result["bad.wgsl"] is not None and "nan" in result["bad.wgsl"].lower()
+
+
+def test_gemm_variants_create_pipelines_with_the_workgroup_memory_the_host_counts():
+    """Every GEMM variant of the matmul ceiling is a valid pipeline under Tint where it fits
+    Dawn's Null adapter (16 KiB of workgroup memory, 256 invocations); larger ones are refused
+    with exactly the workgroup memory ``GemmVariant.workgroup_bytes`` counts (the host skips
+    them by that count on devices with less)."""
+    if not DAWN.installed():
+        pytest.skip(DAWN.install_hint)
+    from types import SimpleNamespace
+
+    from paged_sparse_attn.backends.wgpu._ceilings import GEMM_VARIANTS
+    from paged_sparse_attn.backends.wgpu._kernels import SGMAT_SHAPE, kernel_source
+    from paged_sparse_attn.backends.wgpu._shader_check import _null_device
+
+    device = _null_device()
+    lim = dict(device.limits)
+    ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
+    tiled = [v for v in GEMM_VARIANTS if v.tiled]
+    assert tiled and any(v.workgroup_bytes <= lim["max-compute-workgroup-storage-size"] for v in tiled)
+    modules = {}
+    try:
+        for v in tiled:
+            if v.kernel not in modules:
+                modules[v.kernel] = device.create_shader_module(code=kernel_source(ctx, v.kernel), label=v.kernel)
+            assert v.invocations <= lim["max-compute-invocations-per-workgroup"]
+            desc = {"module": modules[v.kernel], "entry_point": "main", "constants": v.c}
+            if v.workgroup_bytes <= lim["max-compute-workgroup-storage-size"]:
+                device.create_compute_pipeline(layout="auto", compute=desc)
+            else:
+                with pytest.raises(Exception, match=rf"\({v.workgroup_bytes} bytes\)"):
+                    device.create_compute_pipeline(layout="auto", compute=desc)
+    finally:
+        device.destroy()
+
+
+def test_gemm_error_bound_passes_the_exact_product_and_fails_a_lost_k_step():
+    """The check of the matmul ceiling: float32 accumulations of the exact float16 products pass
+    (ascending and blocked by 16, like tensor cores), a product that lost one K step of 16 or
+    carries one wrong element does not."""
+    import numpy as np
+
+    from paged_sparse_attn.backends.wgpu._ceilings import check_rows, gemm_error_bound
+
+    rng = np.random.default_rng(3)
+    m, n, k = 256, 64, 512
+    a = (rng.standard_normal((m, k)) * 0.1).astype(np.float16)
+    b = (rng.standard_normal((k, n)) * 0.1).astype(np.float16)
+    rows = check_rows(m)
+    assert len(set(rows.tolist())) == 64 and rows.max() < m and len({int(r) % 16 for r in rows}) > 8
+    ref, bound = gemm_error_bound(a[rows], b)
+    a32, b32 = a[rows].astype(np.float32), b.astype(np.float32)
+    seq = np.zeros((len(rows), n), np.float32)
+    for j in range(k):  # one float32 rounding per term
+        seq += a32[:, j:j + 1] * b32[j:j + 1, :]
+    blocked = np.zeros_like(seq)
+    for j in range(0, k, 16):
+        blocked += a32[:, j:j + 16] @ b32[j:j + 16]
+    for c in (seq, blocked, (a32 @ b32)):
+        assert np.all(np.abs(c - ref) <= bound)
+    lost = blocked - a32[:, 16:32] @ b32[16:32]
+    assert not np.all(np.abs(lost - ref) <= bound)
+    one = blocked.copy()
+    one[5, 7] += 100 * bound[5, 7] + 1e-6
+    assert not np.all(np.abs(one - ref) <= bound)
+    nan = blocked.copy()
+    nan[0, 0] = np.nan
+    assert not np.all(np.abs(nan - ref) <= bound)

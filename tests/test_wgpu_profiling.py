@@ -138,3 +138,43 @@ def test_ceilings_and_profiling_without_timestamps_use_the_wall_clock(WgpuBacken
     prof = be.profile_forward(p, idx, repeat=2, replay=3)
     assert prof["timer"] == "wall" and prof["total_s"] > 0 and prof["replay"] == 3
     assert prof["call_s"] is None  # no timestamps: no one-pass GPU time
+
+
+def test_matmul_rate_needs_subgroup_matrices(WgpuBackend):
+    """wgpu-native has no subgroup matrices: the matmul ceiling is unsupported, not zero."""
+    from paged_sparse_attn import UnsupportedError
+
+    be = WgpuBackend(required_limits="default")
+    with pytest.raises(UnsupportedError, match="subgroup"):
+        be.matmul_rate(256, repeat=1)
+
+
+def test_gemm_variants_are_skipped_where_they_do_not_fit():
+    """The host runs a GEMM variant only where its workgroup memory, invocations, subgroup size
+    and block fit; the list always keeps the naive kernel and a tiled one within WebGPU's
+    default limits (16 KiB, 256 invocations)."""
+    from types import SimpleNamespace
+
+    from paged_sparse_attn.backends.wgpu._ceilings import GEMM_VARIANTS
+
+    small = SimpleNamespace(workgroup_storage=16384, max_invocations=256, subgroup=(32, ""))
+    h200 = SimpleNamespace(workgroup_storage=49152, max_invocations=1024, subgroup=(32, ""))
+    wave64 = SimpleNamespace(workgroup_storage=49152, max_invocations=1024, subgroup=(64, ""))
+    fit = {name: [v.name for v in GEMM_VARIANTS if v.unfit(ctx, 4096, 4096, 4096) is None]
+           for name, ctx in (("small", small), ("h200", h200), ("wave64", wave64))}
+    assert fit["h200"] == [v.name for v in GEMM_VARIANTS]
+    assert any(n.startswith("tiled") for n in fit["small"]) and any(n.startswith("naive") for n in fit["small"])
+    assert all(n.startswith("naive") for n in fit["wave64"])
+    for v in GEMM_VARIANTS:
+        bm, bn, bk = v.block
+        why = v.unfit(small, 4096, 4096, 4096)
+        assert (why is None) == (v.workgroup_bytes <= 16384 and v.invocations <= 256)
+        assert v.unfit(h200, bm * 3, bn * 2, bk * 5) is None
+        if bm > 16:
+            assert "multiple of the block" in v.unfit(h200, bm * 3 + 16, bn, bk)
+        if v.tiled:  # the kernel's divisibility and register-array assumptions
+            c = v.c
+            wg = v.invocations
+            assert (bm * bk // 8) % wg == 0 and (bk * bn // 8) % wg == 0
+            assert (bm * bk // 8) // wg <= 8 and (bk * bn // 8) // wg <= 8
+            assert c["TM"] <= 4 and c["TN"] <= 4 and bk % 16 == 0 and c["STAGES"] in (1, 2)

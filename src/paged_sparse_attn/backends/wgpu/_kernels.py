@@ -48,6 +48,7 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_select_topk.wgsl": Kernel("urrw"),
     # ceilings the benchmark measures (no attention kernel)
     "psa_gemm_sgmat.wgsl": Kernel("urrw", sgmat=True),
+    "psa_gemm_sgmat_tiled.wgsl": Kernel("urrw", sgmat=True),  # operands staged in workgroup memory
 }
 
 

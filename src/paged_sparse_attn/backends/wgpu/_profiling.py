@@ -137,9 +137,13 @@ class ProfilingMixin:
     def matmul_rate(self, size: int = 4096, repeat: int = 10) -> float:
         """Subgroup-matrix (tensor core) f16 matrix product rate in FLOP/s, median of ``repeat``.
 
-        Times ``psa_gemm_sgmat.wgsl`` on ``size`` x ``size`` x ``size`` (f16 operands, f32
-        result), the fastest of its tile shapes, and checks 64 rows against numpy:
-        :attr:`last_timings` holds ``gemm_s``, ``tiles``, ``max_abs_err`` and ``timer``.
+        Times the GEMM variants of ``_ceilings.GEMM_VARIANTS`` (``psa_gemm_sgmat.wgsl`` and the
+        workgroup-memory tiled ``psa_gemm_sgmat_tiled.wgsl``, the shapes that fit the device) on
+        ``size`` x ``size`` x ``size`` (f16 operands, f32 result), checks 64 rows of each against
+        numpy within the bound of f32 accumulation (a wrong product raises
+        :class:`~paged_sparse_attn.DeviceError`) and returns the fastest rate:
+        :attr:`last_timings` holds ``gemm_s``, ``variant``, ``constants``, ``tiles``, ``block``,
+        ``max_abs_err``, ``err_bound``, ``timer`` and ``variants`` (every variant's row).
         Raises :class:`~paged_sparse_attn.UnsupportedError` on a device without 16x16x16 f16
         subgroup matrices (wgpu-native has none; Dawn offers them where the driver does).
         """

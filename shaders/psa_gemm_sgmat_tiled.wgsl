@@ -1,0 +1,212 @@
+// psa_gemm_sgmat_tiled.wgsl — a plain f16 matrix product on subgroup matrices (tensor cores) with
+// the operands staged in workgroup memory: the faster variant of psa_gemm_sgmat.wgsl for the
+// benchmark's matmul ceiling (no attention kernel uses it; its layout is the model for feeding
+// tensor cores from WGSL).
+//
+// C = A · B with A [M, K] and B [K, N] float16, row-major, and C [M, N] float32 (same bindings,
+// Params and result as psa_gemm_sgmat.wgsl; A and B are read here as 16-byte units).
+//
+// Tiles. A workgroup of SGM x SGN subgroups of 32 (WG = 32 SGM SGN invocations) owns a
+// BM x BN block of C (BM = 16 TM SGM, BN = 16 TN SGN); subgroup sg (the `subgroup_id` builtin)
+// owns the (16 TM) x (16 TN) sub-block at subgroup row sg / SGN and column sg % SGN, as TM x TN
+// 16 x 16 f32 result matrices. K is walked in steps of BK (a multiple of 16). Per step the
+// workgroup stages the A tile [BM][BK] and the B tile [BK][BN] in workgroup memory, every
+// invocation copying whole 16-byte units (vec4<u32>, 8 halves, coalesced along rows) that it has
+// read from storage into registers; then each subgroup, for each 16 of the BK columns, loads its
+// TN right-hand matrices (B) and, one at a time, its TM left-hand matrices (A) from the staged
+// tiles and accumulates acc[i][j] += left_i · right_j (K ascending: a fixed order, R19).
+//
+// Overlap (STAGES = 2). The staging is double-buffered: while the subgroups multiply the tiles of
+// step t (stage t % 2), each invocation's loads of step t + 1 are already in flight into its
+// registers; after the products it writes them to the other stage, and one barrier per step
+// separates the writes of one stage from the reads of the last step that used it. STAGES = 1 keeps
+// one stage (half the workgroup memory) and adds a barrier before the writes.
+//
+// Bank conflicts. Staged rows are padded by PAD halves (row strides SA = BK + PAD for A and
+// SB = BN + PAD for B; PAD = 8 makes the 8 rows a 16 x 16 matrix load reads per phase start in
+// distinct 16-byte bank groups when the unpadded stride is a multiple of 128 bytes).
+//
+// Bounds. The host asks only for M % BM = N % BN = K % BK = 0, and for tile shapes whose unit
+// counts divide evenly: (BM BK / 8) and (BK BN / 8) multiples of WG, at most MAX_UNITS units of
+// each operand per invocation, TM, TN <= MAX_T. Every staged-tile matrix load ends inside its
+// array (offset + 15 stride + 16 <= length), so the runtime's bounds predicate never zeroes one.
+// Subgroup-matrix calls and barriers are made by whole subgroups / the whole workgroup: every
+// branch and loop bound below is uniform (override constants, the workgroup id and params).
+//
+// Bindings (group 0)
+//   0 params  uniform              Params (below)
+//   1 a       storage, read        f16 [M, K] as vec4<u32> (8 halves a unit; K % 8 = 0)
+//   2 b       storage, read        f16 [K, N] as vec4<u32> (N % 8 = 0)
+//   3 c       storage, read_write  f32 [M, N]
+//
+// Override constants (defaults: a 128 x 128 block of 8 subgroups, 64 x 32 each, BK = 32, double
+// buffered: 37 KiB of workgroup memory; the host skips shapes over the device's limit)
+//   SGM, SGN   subgroups along M and N          TM, TN   16 x 16 result tiles per subgroup
+//   BK         K per staged step (16, 32, 64)   STAGES   staging buffers: 1 or 2
+//   PAD        halves of padding per staged row (a multiple of 8: rows stay 16-byte aligned)
+// Workgroup memory: 2 STAGES (BM SA + BK SB) bytes. Needs a subgroup size of 32. The loader
+// prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
+
+override SGM: u32 = 2u;
+override SGN: u32 = 4u;
+override TM: u32 = 4u;
+override TN: u32 = 2u;
+override BK: u32 = 32u;
+override STAGES: u32 = 2u;
+override PAD: u32 = 8u;
+
+override WG: u32 = 32u * SGM * SGN;
+override BM: u32 = 16u * TM * SGM;
+override BN: u32 = 16u * TN * SGN;
+override SA: u32 = BK + PAD;                  // row stride of a staged A tile (halves)
+override SB: u32 = BN + PAD;                  // row stride of a staged B tile
+override A_STAGE: u32 = BM * SA;              // halves of one staged A tile
+override B_STAGE: u32 = BK * SB;
+override A_LEN: u32 = STAGES * A_STAGE;
+override B_LEN: u32 = STAGES * B_STAGE;
+override A_ROW_UNITS: u32 = BK / 8u;          // 16-byte units of one row of an A tile
+override B_ROW_UNITS: u32 = BN / 8u;
+override A_UNITS: u32 = BM * A_ROW_UNITS / WG;  // units of A each invocation copies per step
+override B_UNITS: u32 = BK * B_ROW_UNITS / WG;
+
+const MAX_T: u32 = 4u;      // largest TM and TN (function arrays need a constant size)
+const MAX_UNITS: u32 = 8u;  // largest A_UNITS and B_UNITS
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> a: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> b: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read_write> c: array<f32>;
+
+var<workgroup> sa: array<f16, A_LEN>;  // STAGES tiles of A, [row][k] with row stride SA
+var<workgroup> sb: array<f16, B_LEN>;  // STAGES tiles of B, [k][col] with row stride SB
+
+alias Left = subgroup_matrix_left<f16, 16, 16>;
+alias Right = subgroup_matrix_right<f16, 16, 16>;
+alias Result = subgroup_matrix_result<f32, 16, 16>;
+
+// The 8 halves of a unit to staged[base ..= base + 7] (component 0 of a u32's vec2<f16> is its
+// low half: the lower address).
+fn put_a(base: u32, u: vec4<u32>) {
+    let h0 = bitcast<vec2<f16>>(u.x);
+    let h1 = bitcast<vec2<f16>>(u.y);
+    let h2 = bitcast<vec2<f16>>(u.z);
+    let h3 = bitcast<vec2<f16>>(u.w);
+    sa[base] = h0.x;
+    sa[base + 1u] = h0.y;
+    sa[base + 2u] = h1.x;
+    sa[base + 3u] = h1.y;
+    sa[base + 4u] = h2.x;
+    sa[base + 5u] = h2.y;
+    sa[base + 6u] = h3.x;
+    sa[base + 7u] = h3.y;
+}
+
+fn put_b(base: u32, u: vec4<u32>) {
+    let h0 = bitcast<vec2<f16>>(u.x);
+    let h1 = bitcast<vec2<f16>>(u.y);
+    let h2 = bitcast<vec2<f16>>(u.z);
+    let h3 = bitcast<vec2<f16>>(u.w);
+    sb[base] = h0.x;
+    sb[base + 1u] = h0.y;
+    sb[base + 2u] = h1.x;
+    sb[base + 3u] = h1.y;
+    sb[base + 4u] = h2.x;
+    sb[base + 5u] = h2.y;
+    sb[base + 6u] = h3.x;
+    sb[base + 7u] = h3.y;
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+        @builtin(subgroup_id) sg: u32) {
+    let n = params.n;
+    let k_len = params.k;
+    let kq = k_len / 8u;  // units per row of A
+    let nq = n / 8u;      // units per row of B
+    let row0 = wid.y * BM;
+    let col0 = wid.x * BN;
+    let srow = (sg / SGN) * 16u * TM;  // this subgroup's block within the workgroup's
+    let scol = (sg % SGN) * 16u * TN;
+    let steps = k_len / BK;
+
+    var acc: array<Result, MAX_T * MAX_T>;  // (i, j) at i * MAX_T + j; zero-initialised
+    var right: array<Right, MAX_T>;
+    var ra: array<vec4<u32>, MAX_UNITS>;    // the next step's units, in flight
+    var rb: array<vec4<u32>, MAX_UNITS>;
+
+    // step 0 to stage 0
+    for (var i = 0u; i < A_UNITS; i++) {
+        let u = i * WG + lid;
+        ra[i] = a[(row0 + u / A_ROW_UNITS) * kq + u % A_ROW_UNITS];
+    }
+    for (var i = 0u; i < B_UNITS; i++) {
+        let u = i * WG + lid;
+        rb[i] = b[(u / B_ROW_UNITS) * nq + col0 / 8u + u % B_ROW_UNITS];
+    }
+    for (var i = 0u; i < A_UNITS; i++) {
+        let u = i * WG + lid;
+        put_a((u / A_ROW_UNITS) * SA + (u % A_ROW_UNITS) * 8u, ra[i]);
+    }
+    for (var i = 0u; i < B_UNITS; i++) {
+        let u = i * WG + lid;
+        put_b((u / B_ROW_UNITS) * SB + (u % B_ROW_UNITS) * 8u, rb[i]);
+    }
+    workgroupBarrier();
+
+    for (var t = 0u; t < steps; t++) {
+        let more = t + 1u < steps;
+        if (more) {  // issue the next step's loads before the products
+            let kn = (t + 1u) * BK;
+            for (var i = 0u; i < A_UNITS; i++) {
+                let u = i * WG + lid;
+                ra[i] = a[(row0 + u / A_ROW_UNITS) * kq + kn / 8u + u % A_ROW_UNITS];
+            }
+            for (var i = 0u; i < B_UNITS; i++) {
+                let u = i * WG + lid;
+                rb[i] = b[(kn + u / B_ROW_UNITS) * nq + col0 / 8u + u % B_ROW_UNITS];
+            }
+        }
+        let sa0 = (t % STAGES) * A_STAGE + srow * SA;
+        let sb0 = (t % STAGES) * B_STAGE + scol;
+        for (var kk = 0u; kk < BK; kk += 16u) {
+            for (var j = 0u; j < TN; j++) {
+                right[j] = subgroupMatrixLoad<Right, row_major>(&sb, sb0 + kk * SB + 16u * j, SB);
+            }
+            for (var i = 0u; i < TM; i++) {
+                let left = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 16u * i * SA + kk, SA);
+                for (var j = 0u; j < TN; j++) {
+                    acc[i * MAX_T + j] = subgroupMatrixMultiplyAccumulate(left, right[j], acc[i * MAX_T + j]);
+                }
+            }
+        }
+        if (more) {
+            if (STAGES == 1u) {
+                workgroupBarrier();  // every subgroup is done reading the one stage
+            }
+            let s = (t + 1u) % STAGES;
+            for (var i = 0u; i < A_UNITS; i++) {
+                let u = i * WG + lid;
+                put_a(s * A_STAGE + (u / A_ROW_UNITS) * SA + (u % A_ROW_UNITS) * 8u, ra[i]);
+            }
+            for (var i = 0u; i < B_UNITS; i++) {
+                let u = i * WG + lid;
+                put_b(s * B_STAGE + (u / B_ROW_UNITS) * SB + (u % B_ROW_UNITS) * 8u, rb[i]);
+            }
+        }
+        workgroupBarrier();
+    }
+
+    let c0 = (row0 + srow) * n + col0 + scol;
+    for (var i = 0u; i < TM; i++) {
+        for (var j = 0u; j < TN; j++) {
+            subgroupMatrixStore<row_major>(&c, c0 + 16u * i * n + 16u * j, acc[i * MAX_T + j], n);
+        }
+    }
+}
