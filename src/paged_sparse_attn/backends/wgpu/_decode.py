@@ -20,7 +20,7 @@ __all__ = ["DECODE", "GENERIC", "KERNELS", "DecodeGeometry", "decode_workgroup_b
 
 GENERIC = "psa_partials.wgsl"
 DECODE = "psa_partials_decode.wgsl"
-KERNELS = {"generic": GENERIC, "decode": DECODE}
+KERNELS = {"generic": GENERIC, "decode": DECODE, "sgmat": "psa_partials_sgmat.wgsl"}  # partials_kernel= choices
 MAX_NG = 8           # the kernel keeps 8 head slots in registers (larger G: items of 8 heads)
 CHUNK = 4            # keys per chunk of a key group (the kernel's loads in flight per lane)
 MIN_LANES = 8        # a key group reduce-scatters 8 head slots: at least 8 lanes

@@ -38,6 +38,7 @@ KERNEL_TABLE: dict[str, Kernel] = {
     # attention (R14, R15)
     "psa_partials.wgsl": Kernel("urrrrww", f16=True, trusted=True),
     "psa_partials_decode.wgsl": Kernel("urrrrww", trusted=True, subgroups=True),  # caches as 16-byte units, any dtype
+    "psa_partials_sgmat.wgsl": Kernel("urrrrww", trusted=True, sgmat=True),  # float16 caches, tensor cores
     "psa_merge.wgsl": Kernel("urrrww", trusted=True),
     # the KV-outer inversion on the device (R13, R31, R33)
     "psa_invert.wgsl": Kernel("urrwrwwww"),

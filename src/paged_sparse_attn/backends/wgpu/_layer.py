@@ -153,7 +153,8 @@ class DeviceRuntime:
                     f"more than one storage binding ({ctx.binding_size} bytes); plan fewer queries per batch, or "
                     "call forward() with host arrays (batched on the host) [R18]")
         gx_p = min(max_items, maxdim)
-        self.geometry = dict(kernel="decode" if decode else "generic", hpi=hpi, nh=nh, epi=epi, gx=gx_p)
+        kname = "decode" if decode else ("sgmat" if geom.kernel_name == "psa_partials_sgmat.wgsl" else "generic")
+        self.geometry = dict(kernel=kname, hpi=hpi, nh=nh, epi=epi, gx=gx_p)
 
         # the layout's data and every buffer, once
         st = U.STORAGE
@@ -206,7 +207,7 @@ class DeviceRuntime:
                       for e in (["mark", "scatter", "finalize"] + (["direct"] if decode else ["item_flags", "items"]))}
         self.p_scan = {e: pipeline(ctx, SCAN, {"WG": SCAN_WG}, entry=e) for e in ("tiles", "totals")}
         f16 = itemsize == 2
-        self.p_part = be._pipeline(geom.kernel if decode else "psa_partials.wgsl", f16, geom.constants())
+        self.p_part = be._pipeline(geom.kernel_name, f16, geom.constants())
         self.p_merge = be._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
 
         def ub(i, size):

@@ -101,6 +101,11 @@ class Geometry:
     kv_itemsize: int
 
     @property
+    def kernel_name(self) -> str:
+        """The partials kernel of this geometry (subclasses name theirs in ``kernel``)."""
+        return getattr(self, "kernel", "psa_partials.wgsl")
+
+    @property
     def KS(self) -> int:
         return self.D + 1 - (self.D & 1)
 

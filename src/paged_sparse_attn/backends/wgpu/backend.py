@@ -57,6 +57,7 @@ from ._plan import (
 from ._profiling import ProfilingMixin
 from ._resident import MERGE_WG, ResidentMixin, layout_bytes
 from ._runtime import DAWN, WGPU_NATIVE, Runtime
+from ._sgmat import choose_sgmat_geometry, sgmat_ineligible
 from ._tensors import WgpuTensor, lse_from_ml
 from ._tensors import upload as upload_tensor
 from ._transfer import CallBuffers, bind_group
@@ -105,12 +106,15 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
     workgroup_size : int, optional
         Invocations per workgroup of the partials kernels (at least 64; default: chosen per call
         from the kernel and the workgroup memory, see the backend's page).
-    partials_kernel : {"auto", "generic", "decode"}
+    partials_kernel : {"auto", "generic", "decode", "sgmat"}
         Partials kernel. ``"decode"``: ``psa_partials_decode.wgsl``, specialised for calls where
         every selected (KV head, block) is read by exactly one query (one query per sequence);
         a call it cannot run raises :class:`~paged_sparse_attn.UnsupportedError` naming why.
-        ``"generic"``: ``psa_partials.wgsl`` always. ``"auto"`` (default): decode when it applies,
-        else generic.
+        ``"sgmat"``: ``psa_partials_sgmat.wgsl``, the matrix products on 16x16x16 float16
+        subgroup matrices (tensor cores), for float16 caches on devices that have them (the
+        Dawn runtime); a call it cannot run raises likewise. ``"generic"``: ``psa_partials.wgsl``
+        (f32 FMAs) always. ``"auto"`` (default): decode when it applies, else sgmat when it
+        applies, else generic.
     timestamps : bool
         Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
         feature; ignored without it).
@@ -154,7 +158,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                           max_binding_size=max_binding_size, max_workgroups_per_dim=max_workgroups_per_dim,
                           disable_features=tuple(disable_features), timestamps=bool(timestamps))
         if partials_kernel not in ("auto", *KERNELS):
-            raise ValueError(f"{type(self).__name__}(): partials_kernel must be 'auto', 'generic' or 'decode', "
+            raise ValueError(f"{type(self).__name__}(): partials_kernel must be 'auto', 'generic', 'decode' or 'sgmat', "
                              f"got {partials_kernel!r}")
         self._kernel = partials_kernel
         if batch_invariant and partials_kernel == "decode":
@@ -486,7 +490,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                          fn: str) -> Geometry:
         index = view.index
         want = "generic" if self._batch_invariant else (self._kernel_override or self._kernel)
-        if want != "generic":
+        if want in ("auto", "decode"):
             sg = subgroup_size(ctx)
             why = decode_ineligible(D=D, max_slot_edges=view.max_slot_edges, wg_limit=ctx.max_invocations,
                                     kv_itemsize=itemsize, subgroup=sg)
@@ -501,6 +505,15 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             if want == "decode":
                 raise UnsupportedError(f"{fn}(): backend 'wgpu' cannot use the decode partials kernel: {why}; "
                                        "use partials_kernel='auto' or 'generic' [R18]")
+        if want in ("auto", "sgmat"):
+            rows = G * max(1, view.max_slot_edges)
+            why = sgmat_ineligible(ctx, D=D, kv_itemsize=itemsize, block_size=index.block_size, rows_needed=rows)
+            if why is None:
+                return choose_sgmat_geometry(ctx, D=D, S=index.page_size, G=G, block_size=index.block_size,
+                                             rows_needed=rows, kv_itemsize=itemsize)
+            if want == "sgmat":
+                raise UnsupportedError(f"{fn}(): backend '{self.name}' cannot use the subgroup-matrix partials kernel: "
+                                       f"{why}; use partials_kernel='auto' or 'generic' [R18]")
         return choose_geometry(D=D, S=index.page_size, G=G, block_size=index.block_size,
                                rows_needed=G * max(1, view.max_slot_edges), kv_itemsize=itemsize,
                                wg_storage=ctx.workgroup_storage,

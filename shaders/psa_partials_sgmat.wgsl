@@ -1,0 +1,614 @@
+// psa_partials_sgmat.wgsl — KV-outer partials (R14) on 16x16x16 subgroup matrices (tensor
+// cores): a drop-in for psa_partials.wgsl on float16 caches.
+//
+// Same bindings, Params, plan records (work items, edge records, page lists), outputs and empty
+// representation as psa_partials.wgsl (read its header): one workgroup per work item of up to
+// RMAX rows (edges x query heads) reading one KV block; a partial row's o is unnormalised, its
+// (m, l) has l == 0 for a row that attended nothing and l >= 1 otherwise.
+//
+// Bindings (group 0); the storage arrays are other views of the same buffers
+//   0 params  uniform              Params
+//   1 q       storage, read        vec4<f32> [n_qrows * G * D / 4]  (D % 16 == 0)
+//   2 k_cache storage, read        vec4<u32> [n_slabs_in_chunk * S * D / 8]: 8 float16 per unit
+//   3 v_cache storage, read        vec4<u32>, same layout
+//   4 plan    storage, read        u32 plan words, as psa_partials.wgsl
+//   5 o_out   storage, read_write  f32 [n_prows * D]
+//   6 ml_out  storage, read_write  vec2<f32> [n_prows]
+//
+// The loader prepends `enable f16;` and `enable chromium_experimental_subgroup_matrix;` (the
+// kernel table marks it sgmat); the host runs it only where the device has 16x16x16
+// f16 x f16 -> f32 subgroup matrices with subgroups of 32 consecutive invocations (subgroup
+// s = invocations 32 s .. 32 s + 31), on float16 caches, D % 16 == 0, and blocks of at most BK
+// positions.
+//
+// Algorithm (one work item; rows = M, keys = N, head dim = K of the matrix products)
+//   0. Q: each row's query is scaled by an exact power of two 2^e (its largest |q| into
+//      [2^14, 2^15): no float16 overflow, no subnormal loss of a whole row) and split into
+//      hi = f16(q 2^e) and lo = f16(q 2^e - hi): hi + lo carries ~22 bits of q 2^e. A row whose
+//      q holds NaN or +-inf sets the item's FMA flag (step 1 then runs on FMAs, as
+//      psa_partials.wgsl does).
+//   1. Scores of the whole block (max_len <= BK positions), a K tile of TK keys at a time:
+//      S' = Qhi K^T + Qlo K^T on subgroup matrices (f16 products are exact in f32, f32
+//      accumulation), stored to workgroup memory, then s = (S' 2^-e) * scale (2^-e exact). A
+//      tile whose readable K holds NaN or +-inf (or an item with the FMA flag) computes its
+//      scores with f32 FMAs from the f32 q instead: bit for bit the FMA kernel's scores.
+//   2. Softmax of the whole block (f32, as psa_partials.wgsl step 3 over one tile of max_len
+//      keys): m = max over attended scores (R26: -inf removes its position, NaN is kept), p =
+//      exp(s - m) in place (REMOVED = -1: removed; 0: not attended), l = sum p. One block is one tile of
+//      the online softmax (R14): no rescaling of o is ever needed.
+//   3. o = P V, a V tile of TK keys at a time, with P split like Q (hi = f16(p), lo =
+//      f16(p - hi)) into two products. Accumulators stay in subgroup-matrix registers for the
+//      whole item; each subgroup owns one 16-row block and NDT 16-column blocks of o.
+//   4. o is staged through workgroup memory and the item's rows are written out.
+//
+// Special values (R26, R10), exactly as psa_partials.wgsl:
+//   - positions of INVALID pages and past max_len are never read (zeros in the tiles);
+//   - a masked (row, key) pair has p = 0 and a removed one p = REMOVED -> 0 in the f16 P tile; V
+//     values that are NaN or +-inf are replaced by 0 in the staged V tile, so no product 0 * NaN
+//     can reach a row through the matrix product. Instead every attended, not removed (row,
+//     key) pair whose v[d] is non-finite marks (row, d) in `poison` (2 bits: +inf seen, -inf
+//     seen; both for NaN, for 0 * inf and for +inf + -inf): the written o[d] is then what the
+//     FMA kernel's sum gives, NaN, +inf or -inf;
+//   - a row with a NaN l (a NaN or +inf score) gets o = NaN in every component, as p = NaN
+//     gives in the FMA kernel (its P entries enter the product as 0).
+//
+// Determinism (R19): the order of every sum is fixed by the constants (tiles, subgroup-matrix
+// products in k order, the softmax's strided partial sums reduced in a fixed order).
+//
+// Override constants
+//   D     head dim (multiple of 16)         S    page size
+//   TK    keys per K/V tile (multiple of 16, <= D)
+//   BK    positions per block the kernel holds (multiple of TK, >= max_len of every item)
+//   RMAX  rows per work item (multiple of 16)
+//   WG    workgroup size: 32 * NSG subgroups; NSG a multiple of RMAX / 16, the column blocks of
+//         o (D / 16) and the score tiles of a K tile (RMAX / 16 * TK / 16) divisible by it
+// Workgroup memory (bytes): 4 * RMAX * HS + 2 * TK * HS + 4 * RMAX * SB + 4 * BK + 24 * RMAX
+//   + 12 * WG + RMAX * D / 4 + 16, HS = D + 8, SB = max(BK, D) + 4 (see _sgmat.py).
+
+// The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
+// uniformity, and the tile offsets derive from the subgroup index tid / 32 (uniform within a
+// subgroup of 32 consecutive invocations, which the host requires).
+diagnostic(off, chromium.subgroup_matrix_uniformity);
+
+override D: u32;
+override S: u32;
+override TK: u32;
+override BK: u32;
+override RMAX: u32;
+override WG: u32 = 128u;
+override TD: u32 = D / 4u;                 // vec4<f16> per cache row (the Params' slab units)
+override D8: u32 = D / 8u;                 // vec4<u32> (8 halves) per cache row
+override HS: u32 = D + 8u;                 // f16 row stride of the Q and K/V tiles (16-byte rows)
+override PSTR: u32 = TK + 8u;              // f16 row stride of the P tile (inside the Q area)
+override SB: u32 = max(BK, D) + 4u;        // f32 row stride of the score / o tile
+override NSG: u32 = WG / 32u;              // subgroups
+override NRB: u32 = RMAX / 16u;            // 16-row blocks
+override CS: u32 = NSG / NRB;              // subgroups per row block
+override NDT: u32 = D / 16u / CS;          // 16-column blocks of o per subgroup
+override NST: u32 = NRB * (TK / 16u) / NSG;  // 16x16 score tiles per subgroup and K tile
+override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row
+override NPW: u32 = D / 16u;               // poison words per row (2 bits per column)
+// NDT <= 8: eight named accumulators (no array: an array of matrices indexed in a loop may
+// live in local memory), those past NDT removed by the compiler (NDT is a pipeline constant)
+const INVALID: u32 = 0xffffffffu;
+
+struct Params {
+    item_base: u32,
+    n_items: u32,
+    grid_x: u32,
+    group: u32,
+    slab_stride: u32,  // vec4<f16> per slab (S * TD)
+    scale: f32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> k_cache: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> v_cache: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> plan: array<u32>;
+@group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
+@group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
+
+// The arrays the subgroup matrices load from and store to have constant sizes (the builtins take
+// no override-sized array): capacities for the largest geometry the host picks within 48 KiB;
+// the host checks 2 * RMAX * HS + TK * HS <= HCAP and RMAX * SB <= SCAP.
+const HCAP: u32 = 13056u;  // f16: Q hi at 0, Q lo at RMAX * HS ([row][d]) in step 1, P hi / P lo
+                           // there ([row][key], stride PSTR) in step 3; the K or V tile at KVO
+const SCAP: u32 = 4224u;   // f32: scores, then p, then o ([row][position or d], stride SB)
+override KVO: u32 = 2u * RMAX * HS;
+var<workgroup> hmem: array<f16, HCAP>;
+var<workgroup> sbuf: array<f32, SCAP>;
+var<workgroup> key_src: array<u32, BK>;             // vec4<u32> index of each position's cache row, or INVALID
+var<workgroup> row_len: array<u32, RMAX>;           // edge_len of the row's edge (0: no such row)
+var<workgroup> row_q: array<u32, RMAX>;             // vec4 index of the row's query
+var<workgroup> row_down: array<f32, RMAX>;          // 2^-e of the row's query scaling
+var<workgroup> row_m: array<f32, RMAX>;
+var<workgroup> row_l: array<f32, RMAX>;
+var<workgroup> row_qmax: array<atomic<u32>, RMAX>;  // bits of the row's largest |q|
+var<workgroup> red_m: array<f32, WG>;
+var<workgroup> red_f: array<u32, WG>;
+var<workgroup> red_l: array<f32, WG>;
+var<workgroup> poison: array<atomic<u32>, RMAX * NPW>;
+var<workgroup> q_bad: u32;      // 1: a query of the item holds NaN or +-inf (FMA scores)
+var<workgroup> flag0: u32;      // 1: the tile holds NaN or +-inf at a readable position;
+var<workgroup> flag1: u32;      //    two flags, alternating by tile, so that a reset never races a set
+var<workgroup> poisoned: u32;   // 1: some (row, d) of the item is poisoned
+
+const NEG_INF_BITS: u32 = 0xff800000u;
+// the weight of a removed position (exp never gives a negative number; a -0 marker is not safe:
+// compilers may treat -0 and +0 as one constant)
+const REMOVED: f32 = -1.0;
+const REMOVED_BITS: u32 = 0xbf800000u;
+// bit tests, not p < 0: a compiler may turn select(p, 0, p < 0) into max(p, 0), which drops a NaN
+fn is_removed(p: f32) -> bool {
+    return bitcast<u32>(p) == REMOVED_BITS;
+}
+fn is_ninf(x: f32) -> bool {
+    return bitcast<u32>(x) == NEG_INF_BITS;
+}
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+var<private> NAN_BITS: u32 = 0x7fc00000u;
+var<private> INF_BITS: u32 = 0x7f800000u;      // (+inf)
+var<private> MINF_BITS: u32 = 0xff800000u;     // (-inf)
+fn nan_max(a: f32, b: f32) -> f32 {
+    return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));
+}
+// The high part of a split x = hi + lo: x with its float32 mantissa cut to the 11 bits of a
+// float16 (exact in float16 for |x| in [2^-14, 65504]; below, f16() rounds it to a subnormal,
+// at most 2^-25 away), so that x - hi is exact in float32 and lo = f16(x - hi). Bits, not
+// f32(f16(x)): a compiler may fold that round trip to x, which would make lo 0.
+fn hi11(x: vec4<f32>) -> vec4<f32> {
+    return bitcast<vec4<f32>>(bitcast<vec4<u32>>(x) & vec4<u32>(0xffffe000u));
+}
+// an exact power of two 2^e, e in [-126, 127]
+fn pow2(e: i32) -> f32 {
+    return bitcast<f32>(u32(127 + e) << 23u);
+}
+// 1 in each 16-bit half of w whose float16 is NaN or +-inf (bit 0: low half, bit 1: high half)
+fn nonfinite_halves(w: u32) -> u32 {
+    return select(0u, 1u, (w & 0x7c00u) == 0x7c00u) | select(0u, 2u, (w & 0x7c000000u) == 0x7c000000u);
+}
+
+fn tile_end(len: u32, k0: u32, nk: u32) -> u32 {
+    return min(nk, select(0u, len - k0, len > k0));
+}
+
+// Stage the TK-key tile starting at block position k0 from `which` (0: K, 1: V) into the K/V tile:
+// zeros at unreadable positions; with `zero_bad`, NaN / +-inf halves become 0. Returns true if
+// a readable position of the tile holds NaN or +-inf.
+fn stage_tile(tid: u32, k0: u32, which: u32) -> bool {
+    var bad = false;
+    for (var x = tid; x < TK * D8; x += WG) {
+        let k = x / D8;
+        let j = x - k * D8;
+        let row = key_src[k0 + k];
+        var u = vec4<u32>(0u);
+        if (row != INVALID) {
+            if (which == 0u) {
+                u = k_cache[row + j];
+            } else {
+                u = v_cache[row + j];
+            }
+            let f = vec4<u32>(nonfinite_halves(u.x), nonfinite_halves(u.y), nonfinite_halves(u.z),
+                              nonfinite_halves(u.w));
+            if (any(f != vec4<u32>(0u))) {
+                bad = true;
+                if (which == 1u) {  // zero the half: the product must not see it (R10, R26)
+                    let keep = ~(select(vec4<u32>(0u), vec4<u32>(0xffffu), (f & vec4<u32>(1u)) != vec4<u32>(0u))
+                                 | select(vec4<u32>(0u), vec4<u32>(0xffff0000u), (f & vec4<u32>(2u)) != vec4<u32>(0u)));
+                    u = u & keep;
+                }
+            }
+        }
+        let b = k * HS + 8u * j;
+        let h0 = bitcast<vec2<f16>>(u.x);
+        let h1 = bitcast<vec2<f16>>(u.y);
+        let h2 = bitcast<vec2<f16>>(u.z);
+        let h3 = bitcast<vec2<f16>>(u.w);
+        hmem[KVO + b] = h0.x;
+        hmem[KVO + b + 1u] = h0.y;
+        hmem[KVO + b + 2u] = h1.x;
+        hmem[KVO + b + 3u] = h1.y;
+        hmem[KVO + b + 4u] = h2.x;
+        hmem[KVO + b + 5u] = h2.y;
+        hmem[KVO + b + 6u] = h3.x;
+        hmem[KVO + b + 7u] = h3.y;
+    }
+    return bad;
+}
+
+fn set_flag(par: u32) {
+    if (par == 0u) {
+        flag0 = 1u;
+    } else {
+        flag1 = 1u;
+    }
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let item = wid.y * params.grid_x + wid.x;
+    if (item >= params.n_items) {
+        return;
+    }
+    let ib = (params.item_base + item) * 8u;
+    let max_len = plan[ib];
+    let n_e = plan[ib + 1u];
+    let g0 = plan[ib + 2u];
+    let ng = plan[ib + 3u];
+    let erec = plan[ib + 4u];
+    let pages = plan[ib + 5u];
+    let prow0 = plan[ib + 6u];
+    let n_rows = n_e * ng;
+    let sg = tid / 32u;        // this invocation's subgroup
+    let rb = sg % NRB;         // its 16-row block
+    let cb = sg / NRB;         // its share of the columns
+
+    for (var r = tid; r < RMAX; r += WG) {
+        var len = 0u;
+        var qo = 0u;
+        if (r < n_rows) {
+            let ie = r / ng;
+            len = plan[erec + 2u * ie + 1u];
+            qo = ((plan[erec + 2u * ie] * params.group + g0 + (r - ie * ng)) * D) / 4u;
+        }
+        row_len[r] = len;
+        row_q[r] = qo;
+        row_m[r] = 0.0;
+        row_l[r] = 0.0;
+        atomicStore(&row_qmax[r], 0u);
+    }
+    for (var x = tid; x < RMAX * NPW; x += WG) {
+        atomicStore(&poison[x], 0u);
+    }
+    for (var k = tid; k < BK; k += WG) {
+        var row = INVALID;
+        if (k < max_len) {
+            let slab = plan[pages + k / S];
+            if (slab != INVALID) {
+                row = (slab * params.slab_stride + (k % S) * TD) / 2u;
+            }
+        }
+        key_src[k] = row;
+    }
+    if (tid == 0u) {
+        q_bad = 0u;
+        flag0 = 0u;
+        flag1 = 0u;
+        poisoned = 0u;
+    }
+    workgroupBarrier();
+
+    // 0. Each row's largest |q| (bit patterns of non-negative floats order like the values; NaN
+    //    and +-inf lie above every finite one), then the scaled hi / lo split.
+    let QV = D / 4u;  // vec4 per query row
+    var qbad = false;
+    for (var x = tid; x < RMAX * QV; x += WG) {
+        let r = x / QV;
+        if (r < n_rows) {
+            let a = bitcast<vec4<u32>>(q[row_q[r] + x - r * QV]) & vec4<u32>(0x7fffffffu);
+            let mb = max(max(a.x, a.y), max(a.z, a.w));
+            if (mb >= 0x7f800000u) {
+                qbad = true;
+            }
+            atomicMax(&row_qmax[r], mb);
+        }
+    }
+    if (qbad) {
+        q_bad = 1u;
+    }
+    let item_fma = workgroupUniformLoad(&q_bad);  // (also the barrier after the maxima)
+    for (var x = tid; x < RMAX * QV; x += WG) {
+        let r = x / QV;
+        let c = x - r * QV;
+        var hi = vec4<f16>(0.0);
+        var lo = vec4<f16>(0.0);
+        let mb = atomicLoad(&row_qmax[r]);
+        // max in [2^E, 2^(E+1)) -> e = 14 - E puts it in [2^14, 2^15); subnormal maxima count as
+        // 2^-127; e stays in [-113, 126] so that 2^e and 2^-e are normal floats
+        let E = max(i32(mb >> 23u), 0) - 127;
+        let e = clamp(14 - E, -113, 126);
+        if (r < n_rows && mb < 0x7f800000u) {
+            let qs = q[row_q[r] + c] * pow2(e);
+            let h = hi11(qs);
+            hi = vec4<f16>(h);
+            lo = vec4<f16>(qs - h);
+        }
+        if (c == 0u) {
+            row_down[r] = pow2(-e);
+        }
+        let b = r * HS + 4u * c;
+        hmem[b] = hi.x;
+        hmem[b + 1u] = hi.y;
+        hmem[b + 2u] = hi.z;
+        hmem[b + 3u] = hi.w;
+        let bl = RMAX * HS + b;
+        hmem[bl] = lo.x;
+        hmem[bl + 1u] = lo.y;
+        hmem[bl + 2u] = lo.z;
+        hmem[bl + 3u] = lo.w;
+    }
+
+    // 1. Scores of the block, a K tile at a time.
+    var par = 0u;
+    for (var k0 = 0u; k0 < max_len; k0 += TK) {
+        if (stage_tile(tid, k0, 0u)) {
+            set_flag(par);
+        }
+        var bad = 0u;
+        if (par == 0u) {
+            bad = workgroupUniformLoad(&flag0);
+        } else {
+            bad = workgroupUniformLoad(&flag1);
+        }
+        if (tid == 0u) {  // the other flag was last read a tile ago, past a barrier
+            if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
+        }
+        if (bad == 0u && item_fma == 0u) {
+            for (var i = 0u; i < NST; i++) {
+                let kt = cb + CS * i;  // 16-key block of the tile (the row block is rb)
+                var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)
+                for (var d0 = 0u; d0 < D; d0 += 16u) {
+                    let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, col_major>(&hmem, KVO + kt * 16u * HS + d0, HS);
+                    let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * HS + d0, HS);
+                    let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * HS + rb * 16u * HS + d0, HS);
+                    acc = subgroupMatrixMultiplyAccumulate(ah, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(al, b, acc);
+                }
+                subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + k0 + kt * 16u, acc, SB);
+            }
+        } else {
+            // f32 FMAs from the f32 query, as psa_partials.wgsl (non-finite q or K)
+            for (var x = tid; x < RMAX * TK; x += WG) {
+                let r = x / TK;
+                let k = x - r * TK;
+                var s = 0.0;
+                if (r < n_rows && k0 + k < max_len) {
+                    for (var c = 0u; c < QV; c++) {
+                        let qv = q[row_q[r] + c];
+                        let kb = k * HS + 4u * c;
+                        s += qv.x * f32(hmem[KVO + kb]);
+                        s += qv.y * f32(hmem[KVO + kb + 1u]);
+                        s += qv.z * f32(hmem[KVO + kb + 2u]);
+                        s += qv.w * f32(hmem[KVO + kb + 3u]);
+                    }
+                    s *= params.scale;
+                }
+                sbuf[r * SB + k0 + k] = s;
+            }
+        }
+        workgroupBarrier();
+        if (bad == 0u && item_fma == 0u) {  // undo the query scaling: s = (S' 2^-e) * scale
+            for (var x = tid; x < RMAX * TK; x += WG) {
+                let r = x / TK;
+                let i = r * SB + k0 + x - r * TK;
+                sbuf[i] = (sbuf[i] * row_down[r]) * params.scale;
+            }
+        }
+        par = 1u - par;
+    }
+    workgroupBarrier();
+
+    // 2. Softmax of the block, SL invocations per row (a strided share of the keys each).
+    let sr = tid / SL;
+    let sl = tid - sr * SL;
+    var kend = 0u;
+    if (sr < n_rows) {
+        kend = min(row_len[sr], max_len);
+    }
+    var lmax = 0.0;
+    var seen = false;
+    for (var k = sl; k < kend; k += SL) {
+        if (key_src[k] != INVALID) {
+            let s = sbuf[sr * SB + k];
+            if (!is_ninf(s)) {
+                lmax = select(s, nan_max(lmax, s), seen);
+                seen = true;
+            }
+        }
+    }
+    red_m[tid] = lmax;
+    red_f[tid] = select(0u, 1u, seen);
+    workgroupBarrier();
+    var m_new = 0.0;
+    var found = false;
+    for (var i = 0u; i < SL; i++) {
+        let t = sr * SL + i;
+        if (t < WG && red_f[t] != 0u) {
+            m_new = select(red_m[t], nan_max(m_new, red_m[t]), found);
+            found = true;
+        }
+    }
+    var psum = 0.0;
+    if (sr < RMAX) {
+        for (var k = sl; k < max_len; k += SL) {
+            var p = 0.0;
+            if (k < kend && key_src[k] != INVALID) {
+                let sc = sbuf[sr * SB + k];
+                p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
+            }
+            sbuf[sr * SB + k] = p;
+            if (!is_removed(p)) {
+                psum += p;  // (a NaN p stays in the sum)
+            }
+        }
+    }
+    red_l[tid] = psum;
+    workgroupBarrier();
+    if (sr < n_rows && sl == 0u && found) {
+        var sum = 0.0;
+        for (var i = 0u; i < SL; i++) {
+            sum += red_l[sr * SL + i];
+        }
+        row_m[sr] = m_new;
+        row_l[sr] = sum;
+    }
+
+    // 3. o += P V, a V tile at a time; accumulators in registers.
+    var acc0: subgroup_matrix_result<f32, 16, 16>;
+    var acc1: subgroup_matrix_result<f32, 16, 16>;
+    var acc2: subgroup_matrix_result<f32, 16, 16>;
+    var acc3: subgroup_matrix_result<f32, 16, 16>;
+    var acc4: subgroup_matrix_result<f32, 16, 16>;
+    var acc5: subgroup_matrix_result<f32, 16, 16>;
+    var acc6: subgroup_matrix_result<f32, 16, 16>;
+    var acc7: subgroup_matrix_result<f32, 16, 16>;
+    for (var k0 = 0u; k0 < max_len; k0 += TK) {
+        if (stage_tile(tid, k0, 1u)) {
+            set_flag(par);
+        }
+        for (var x = tid; x < RMAX * TK; x += WG) {
+            let r = x / TK;
+            let k = x - r * TK;
+            var p = 0.0;
+            if (k0 + k < max_len) {
+                p = sbuf[r * SB + k0 + k];
+            }
+            if (is_nan(p) || is_removed(p)) {
+                p = 0.0;  // removed, or a NaN row (its o is made NaN at the end)
+            }
+            let h = hi11(vec4<f32>(p, 0.0, 0.0, 0.0)).x;
+            hmem[r * PSTR + k] = f16(h);
+            hmem[RMAX * HS + r * PSTR + k] = f16(p - h);
+        }
+        var bad = 0u;
+        if (par == 0u) {
+            bad = workgroupUniformLoad(&flag0);
+        } else {
+            bad = workgroupUniformLoad(&flag1);
+        }
+        if (tid == 0u) {
+            if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
+        }
+        if (bad != 0u) {
+            // NaN / +-inf values of the tile: mark the (row, d) of every attended, not removed
+            // pair, reading the value again from the cache (the staged tile holds 0 there)
+            for (var x = tid; x < TK * D; x += WG) {
+                let k = x / D;
+                let d = x - k * D;
+                let row = key_src[k0 + k];
+                if (row != INVALID) {
+                    let w = v_cache[row + d / 8u][(d % 8u) / 2u];
+                    let h = (w >> (16u * (d % 2u))) & 0xffffu;
+                    if ((h & 0x7c00u) == 0x7c00u) {
+                        var cls = 3u;  // NaN: both bits
+                        if ((h & 0x3ffu) == 0u) {
+                            cls = select(1u, 2u, (h & 0x8000u) != 0u);  // +inf: bit 0, -inf: bit 1
+                        }
+                        for (var r = 0u; r < n_rows; r++) {
+                            if (k0 + k < min(row_len[r], max_len)) {
+                                let p = sbuf[r * SB + k0 + k];
+                                if (!is_removed(p)) {
+                                    // 0 * inf = NaN (a weight that underflowed)
+                                    let c = select(cls, 3u, p == 0.0);
+                                    atomicOr(&poison[r * NPW + d / 16u], c << (2u * (d % 16u)));
+                                    poisoned = 1u;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for (var kk = 0u; kk < TK; kk += 16u) {
+            let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * PSTR + kk, PSTR);
+            let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * HS + rb * 16u * PSTR + kk, PSTR);
+            if (NDT > 0u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 0u) * 16u, HS);
+                acc0 = subgroupMatrixMultiplyAccumulate(ah, b, acc0);
+                acc0 = subgroupMatrixMultiplyAccumulate(al, b, acc0);
+            }
+            if (NDT > 1u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 1u) * 16u, HS);
+                acc1 = subgroupMatrixMultiplyAccumulate(ah, b, acc1);
+                acc1 = subgroupMatrixMultiplyAccumulate(al, b, acc1);
+            }
+            if (NDT > 2u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 2u) * 16u, HS);
+                acc2 = subgroupMatrixMultiplyAccumulate(ah, b, acc2);
+                acc2 = subgroupMatrixMultiplyAccumulate(al, b, acc2);
+            }
+            if (NDT > 3u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 3u) * 16u, HS);
+                acc3 = subgroupMatrixMultiplyAccumulate(ah, b, acc3);
+                acc3 = subgroupMatrixMultiplyAccumulate(al, b, acc3);
+            }
+            if (NDT > 4u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 4u) * 16u, HS);
+                acc4 = subgroupMatrixMultiplyAccumulate(ah, b, acc4);
+                acc4 = subgroupMatrixMultiplyAccumulate(al, b, acc4);
+            }
+            if (NDT > 5u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 5u) * 16u, HS);
+                acc5 = subgroupMatrixMultiplyAccumulate(ah, b, acc5);
+                acc5 = subgroupMatrixMultiplyAccumulate(al, b, acc5);
+            }
+            if (NDT > 6u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 6u) * 16u, HS);
+                acc6 = subgroupMatrixMultiplyAccumulate(ah, b, acc6);
+                acc6 = subgroupMatrixMultiplyAccumulate(al, b, acc6);
+            }
+            if (NDT > 7u) {
+                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 7u) * 16u, HS);
+                acc7 = subgroupMatrixMultiplyAccumulate(ah, b, acc7);
+                acc7 = subgroupMatrixMultiplyAccumulate(al, b, acc7);
+            }
+        }
+        workgroupBarrier();
+        par = 1u - par;
+    }
+
+    // 4. o through workgroup memory (rows past n_rows belong to no partial row).
+    if (NDT > 0u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 0u) * 16u, acc0, SB);
+    }
+    if (NDT > 1u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 1u) * 16u, acc1, SB);
+    }
+    if (NDT > 2u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 2u) * 16u, acc2, SB);
+    }
+    if (NDT > 3u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 3u) * 16u, acc3, SB);
+    }
+    if (NDT > 4u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 4u) * 16u, acc4, SB);
+    }
+    if (NDT > 5u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 5u) * 16u, acc5, SB);
+    }
+    if (NDT > 6u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 6u) * 16u, acc6, SB);
+    }
+    if (NDT > 7u) {
+        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 7u) * 16u, acc7, SB);
+    }
+    workgroupBarrier();
+    let any_poison = poisoned != 0u;
+    for (var x = tid; x < n_rows * D; x += WG) {
+        let r = x / D;
+        let d = x - r * D;
+        var o = sbuf[r * SB + d];
+        if (any_poison) {
+            let c = (atomicLoad(&poison[r * NPW + d / 16u]) >> (2u * (d % 16u))) & 3u;
+            if (c == 3u) {
+                o = bitcast<f32>(NAN_BITS);
+            } else if (c == 1u) {
+                o = bitcast<f32>(INF_BITS);
+            } else if (c == 2u) {
+                o = bitcast<f32>(MINF_BITS);
+            }
+        }
+        if (is_nan(row_l[r])) {
+            o = bitcast<f32>(NAN_BITS);
+        }
+        o_out[(prow0 + r) * D + d] = o;
+    }
+    for (var r = tid; r < n_rows; r += WG) {
+        ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);
+    }
+}

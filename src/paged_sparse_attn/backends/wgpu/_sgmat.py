@@ -1,0 +1,110 @@
+"""Geometry of the subgroup-matrix partials kernel (``psa_partials_sgmat.wgsl``) and when it applies.
+
+The kernel is a drop-in for ``psa_partials.wgsl``: same bindings, Params and plan records, so its
+geometry is a :class:`~._plan.Geometry` (``RMAX`` rows per work item: the planner's items are
+unchanged) with the kernel's name and its own override constants. It applies where the device
+has 16x16x16 float16 x float16 -> float32 subgroup matrices (``ctx.sgmat``), the caches are
+float16, ``D`` is a multiple of 16, a block fits the kernel's score tile (``BK`` positions) and
+a geometry fits the workgroup memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._plan import Geometry
+
+__all__ = ["SGMAT", "SgmatGeometry", "sgmat_workgroup_bytes", "sgmat_ineligible", "choose_sgmat_geometry"]
+
+SGMAT = "psa_partials_sgmat.wgsl"
+SGMAT_CONFIG = (16, 16, 16)  # (M, N, K) of the float16 -> float32 matrices the kernel uses
+SUBGROUP = 32                # the kernel's subgroups: 32 consecutive invocations
+# the constant capacities of the kernel's matrix arrays (HCAP float16, SCAP float32): keep equal
+# to the shader's `const HCAP` / `const SCAP`
+HCAP = 13056
+SCAP = 4224
+MAXDT = 8                    # accumulators per subgroup (the shader's eight named ones)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class SgmatGeometry(Geometry):
+    """Geometry of the subgroup-matrix kernel: ``RMAX`` rows per item (a multiple of 16), ``TK``
+    keys per K/V tile, ``BK`` positions of a block held at once, ``WG = 32 * subgroups``."""
+
+    kernel: str = SGMAT
+    BK: int = 128
+
+    @property
+    def workgroup_bytes(self) -> int:
+        return sgmat_workgroup_bytes(self.D, self.RMAX, self.BK, self.WG)
+
+    def constants(self) -> dict[str, int]:
+        return {"D": self.D, "S": self.S, "TK": self.TK, "BK": self.BK, "RMAX": self.RMAX, "WG": self.WG}
+
+
+def sgmat_workgroup_bytes(D: int, RMAX: int, BK: int, WG: int) -> int:
+    """Workgroup memory of psa_partials_sgmat.wgsl (each variable rounded to 16 bytes)."""
+
+    def a(n: int) -> int:
+        return (n + 15) // 16 * 16
+
+    return (a(2 * HCAP) + a(4 * SCAP) + a(4 * BK) + 6 * a(4 * RMAX) + 3 * a(4 * WG)
+            + a(4 * RMAX * (D // 16)) + 4 * 16)
+
+
+def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
+    """The kernel's divisibility rules and constant capacities (see its header)."""
+    HS, SB = D + 8, max(BK, D) + 4
+    nrb = R // 16
+    if TK > D or BK % TK or nsg % nrb:
+        return False
+    cs = nsg // nrb
+    if (D // 16) % cs or (nrb * (TK // 16)) % nsg or (D // 16) // cs > MAXDT:
+        return False
+    return (2 * R + TK) * HS <= HCAP and R * SB <= SCAP
+
+
+def sgmat_ineligible(ctx, *, D: int, kv_itemsize: int, block_size: int, rows_needed: int) -> str | None:
+    """Why the subgroup-matrix kernel cannot run these calls on ``ctx``, or None."""
+    if SGMAT_CONFIG not in getattr(ctx, "sgmat", frozenset()):
+        return "the device has no 16x16x16 float16 -> float32 subgroup matrices"
+    if kv_itemsize != 2:
+        return "the caches are not float16"
+    if D % 16 or D > MAX_HEAD_DIM:
+        return f"head_dim {D} is not a multiple of 16 up to {MAX_HEAD_DIM}"
+    size = getattr(ctx, "subgroup", (None, ""))[0]
+    if size is not None and size != SUBGROUP:
+        return f"the device's subgroup size is {size}, the kernel needs {SUBGROUP}"
+    if _candidates(ctx, D, block_size, rows_needed) is None:
+        return (f"no geometry for head_dim {D} and blocks of {block_size} positions fits "
+                f"{ctx.workgroup_storage} bytes of workgroup memory and the kernel's tiles")
+    return None
+
+
+def _candidates(ctx, D: int, block_size: int, rows_needed: int):
+    """(RMAX, TK, BK, WG) of the first geometry that fits, or None.
+
+    Rows: 32 when a work item can hold more than 16 (prefill: 4 queries x 8 heads share each K/V
+    tile), else 16. TK = 32 keys per tile where it fits (half the barriers of 16). Subgroups: as
+    many as the tiles divide among (4 for RMAX = 32: every subgroup one score tile per K tile and
+    a quarter of o).
+    """
+    rows = 32 if rows_needed > 16 else 16
+    for R in (rows, 16) if rows == 32 else (16,):
+        for TK in (32, 16):
+            BK = -(-block_size // TK) * TK
+            for nsg in (4, 2, 1):
+                WG = SUBGROUP * nsg
+                if WG > ctx.max_invocations or not _fits(D, R, TK, BK, nsg):
+                    continue
+                if sgmat_workgroup_bytes(D, R, BK, WG) <= ctx.workgroup_storage:
+                    return R, TK, BK, WG
+    return None
+
+
+def choose_sgmat_geometry(ctx, *, D: int, S: int, G: int, block_size: int, rows_needed: int,
+                          kv_itemsize: int) -> SgmatGeometry:
+    """The subgroup-matrix geometry of a call (``sgmat_ineligible`` must have returned None)."""
+    R, TK, BK, WG = _candidates(ctx, D, block_size, rows_needed)
+    return SgmatGeometry(D=D, S=S, G=G, TK=TK, RMAX=R, WG=WG, TD=-(-D // 4), kv_itemsize=kv_itemsize, BK=BK)
