@@ -88,6 +88,9 @@ override NDT: u32 = D / 16u / CS;          // 16-column blocks of o per subgroup
 override NST: u32 = NRB * (TK / 16u) / NSG;  // 16x16 score tiles per subgroup and K tile
 override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row
 override NPW: u32 = D / 16u;               // poison words per row (2 bits per column)
+override QV: u32 = D / 4u;                 // vec4 per query row
+override LD: u32 = (TK * D8 + WG - 1u) / WG;  // K/V units per invocation and tile (<= 8)
+override LQ: u32 = (RMAX * QV + WG - 1u) / WG;  // query units per invocation (<= 8)
 // NDT <= 8: eight named accumulators (no array: an array of matrices indexed in a loop may
 // live in local memory), those past NDT removed by the compiler (NDT is a pipeline constant)
 const INVALID: u32 = 0xffffffffu;
@@ -177,48 +180,112 @@ fn tile_end(len: u32, k0: u32, nk: u32) -> u32 {
     return min(nk, select(0u, len - k0, len > k0));
 }
 
-// Stage the TK-key tile starting at block position k0 from `which` (0: K, 1: V) into the K/V tile:
-// zeros at unreadable positions; with `zero_bad`, NaN / +-inf halves become 0. Returns true if
-// a readable position of the tile holds NaN or +-inf.
-fn stage_tile(tid: u32, k0: u32, which: u32) -> bool {
-    var bad = false;
-    for (var x = tid; x < TK * D8; x += WG) {
+// The K/V tiles are staged in two steps, so that a tile's loads are in flight while the
+// previous tile is multiplied: load_unit reads unit x (8 float16) of the TK-key tile at block
+// position k0 from K (which = 0) or V (1) into registers, zeros for an unreadable position;
+// store_unit writes it to the tile in workgroup memory. store_unit returns true if the unit holds
+// NaN or +-inf (at a readable position: unreadable ones are zeros); in V such halves are stored
+// as 0, so that no product 0 * NaN can reach a row through the matrix product (R10, R26).
+fn load_unit(x: u32, k0: u32, which: u32) -> vec4<u32> {
+    var u = vec4<u32>(0u);
+    if (x < TK * D8) {
         let k = x / D8;
-        let j = x - k * D8;
         let row = key_src[k0 + k];
-        var u = vec4<u32>(0u);
         if (row != INVALID) {
             if (which == 0u) {
-                u = k_cache[row + j];
+                u = k_cache[row + x - k * D8];
             } else {
-                u = v_cache[row + j];
-            }
-            let f = vec4<u32>(nonfinite_halves(u.x), nonfinite_halves(u.y), nonfinite_halves(u.z),
-                              nonfinite_halves(u.w));
-            if (any(f != vec4<u32>(0u))) {
-                bad = true;
-                if (which == 1u) {  // zero the half: the product must not see it (R10, R26)
-                    let keep = ~(select(vec4<u32>(0u), vec4<u32>(0xffffu), (f & vec4<u32>(1u)) != vec4<u32>(0u))
-                                 | select(vec4<u32>(0u), vec4<u32>(0xffff0000u), (f & vec4<u32>(2u)) != vec4<u32>(0u)));
-                    u = u & keep;
-                }
+                u = v_cache[row + x - k * D8];
             }
         }
-        let b = k * HS + 8u * j;
-        let h0 = bitcast<vec2<f16>>(u.x);
-        let h1 = bitcast<vec2<f16>>(u.y);
-        let h2 = bitcast<vec2<f16>>(u.z);
-        let h3 = bitcast<vec2<f16>>(u.w);
-        hmem[KVO + b] = h0.x;
-        hmem[KVO + b + 1u] = h0.y;
-        hmem[KVO + b + 2u] = h1.x;
-        hmem[KVO + b + 3u] = h1.y;
-        hmem[KVO + b + 4u] = h2.x;
-        hmem[KVO + b + 5u] = h2.y;
-        hmem[KVO + b + 6u] = h3.x;
-        hmem[KVO + b + 7u] = h3.y;
     }
+    return u;
+}
+
+fn store_unit(x: u32, u_in: vec4<u32>, which: u32) -> bool {
+    if (x >= TK * D8) {
+        return false;
+    }
+    let k = x / D8;
+    let j = x - k * D8;
+    var u = u_in;
+    let f = vec4<u32>(nonfinite_halves(u.x), nonfinite_halves(u.y), nonfinite_halves(u.z), nonfinite_halves(u.w));
+    let bad = any(f != vec4<u32>(0u));
+    if (bad && which == 1u) {
+        let keep = ~(select(vec4<u32>(0u), vec4<u32>(0xffffu), (f & vec4<u32>(1u)) != vec4<u32>(0u))
+                     | select(vec4<u32>(0u), vec4<u32>(0xffff0000u), (f & vec4<u32>(2u)) != vec4<u32>(0u)));
+        u = u & keep;
+    }
+    let b = KVO + k * HS + 8u * j;
+    let h0 = bitcast<vec2<f16>>(u.x);
+    let h1 = bitcast<vec2<f16>>(u.y);
+    let h2 = bitcast<vec2<f16>>(u.z);
+    let h3 = bitcast<vec2<f16>>(u.w);
+    hmem[b] = h0.x;
+    hmem[b + 1u] = h0.y;
+    hmem[b + 2u] = h1.x;
+    hmem[b + 3u] = h1.y;
+    hmem[b + 4u] = h2.x;
+    hmem[b + 5u] = h2.y;
+    hmem[b + 6u] = h3.x;
+    hmem[b + 7u] = h3.y;
     return bad;
+}
+
+// Query unit x (vec4 c of row r = x / QV) of the item, or zeros past its rows.
+fn q_load(x: u32, n_rows: u32) -> vec4<f32> {
+    let r = x / QV;
+    var v = vec4<f32>(0.0);
+    if (x < RMAX * QV && r < n_rows) {
+        v = q[row_q[r] + x - r * QV];
+    }
+    return v;
+}
+
+// Fold |v| into its row's maximum; true if v holds NaN or +-inf.
+fn q_max(x: u32, v: vec4<f32>) -> bool {
+    if (x >= RMAX * QV) {
+        return false;
+    }
+    let a = bitcast<vec4<u32>>(v) & vec4<u32>(0x7fffffffu);
+    let mb = max(max(a.x, a.y), max(a.z, a.w));
+    atomicMax(&row_qmax[x / QV], mb);
+    return mb >= 0x7f800000u;
+}
+
+// Write the scaled hi / lo split of query unit x (zeros for a row with a non-finite q: its
+// scores come from FMAs).
+fn q_split(x: u32, v: vec4<f32>) {
+    if (x >= RMAX * QV) {
+        return;
+    }
+    let r = x / QV;
+    let c = x - r * QV;
+    var hi = vec4<f16>(0.0);
+    var lo = vec4<f16>(0.0);
+    let mb = atomicLoad(&row_qmax[r]);
+    // max in [2^E, 2^(E+1)) -> e = 14 - E puts it in [2^14, 2^15); subnormal maxima count as
+    // 2^-127; e stays in [-113, 126] so that 2^e and 2^-e are normal floats
+    let e = clamp(14 - (max(i32(mb >> 23u), 0) - 127), -113, 126);
+    if (mb < 0x7f800000u) {
+        let qs = v * pow2(e);
+        let h = hi11(qs);
+        hi = vec4<f16>(h);
+        lo = vec4<f16>(qs - h);
+    }
+    if (c == 0u) {
+        row_down[r] = pow2(-e);
+    }
+    let b = r * HS + 4u * c;
+    hmem[b] = hi.x;
+    hmem[b + 1u] = hi.y;
+    hmem[b + 2u] = hi.z;
+    hmem[b + 3u] = hi.w;
+    let bl = RMAX * HS + b;
+    hmem[bl] = lo.x;
+    hmem[bl + 1u] = lo.y;
+    hmem[bl + 2u] = lo.z;
+    hmem[bl + 3u] = lo.w;
 }
 
 fn set_flag(par: u32) {
@@ -283,60 +350,78 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
 
-    // 0. Each row's largest |q| (bit patterns of non-negative floats order like the values; NaN
-    //    and +-inf lie above every finite one), then the scaled hi / lo split.
-    let QV = D / 4u;  // vec4 per query row
-    var qbad = false;
-    for (var x = tid; x < RMAX * QV; x += WG) {
-        let r = x / QV;
-        if (r < n_rows) {
-            let a = bitcast<vec4<u32>>(q[row_q[r] + x - r * QV]) & vec4<u32>(0x7fffffffu);
-            let mb = max(max(a.x, a.y), max(a.z, a.w));
-            if (mb >= 0x7f800000u) {
-                qbad = true;
-            }
-            atomicMax(&row_qmax[r], mb);
-        }
+    // 0. The first K tile's loads and the queries' loads in flight together; then each row's
+    //    largest |q| (bit patterns of non-negative floats order like the values; NaN and +-inf
+    //    lie above every finite one), then the scaled hi / lo split.
+    var t0 = vec4<u32>(0u);
+    var t1 = vec4<u32>(0u);
+    var t2 = vec4<u32>(0u);
+    var t3 = vec4<u32>(0u);
+    var t4 = vec4<u32>(0u);
+    var t5 = vec4<u32>(0u);
+    var t6 = vec4<u32>(0u);
+    var t7 = vec4<u32>(0u);
+    if (max_len > 0u) {
+        if (LD > 0u) { t0 = load_unit(tid + 0u * WG, 0u, 0u); }
+        if (LD > 1u) { t1 = load_unit(tid + 1u * WG, 0u, 0u); }
+        if (LD > 2u) { t2 = load_unit(tid + 2u * WG, 0u, 0u); }
+        if (LD > 3u) { t3 = load_unit(tid + 3u * WG, 0u, 0u); }
+        if (LD > 4u) { t4 = load_unit(tid + 4u * WG, 0u, 0u); }
+        if (LD > 5u) { t5 = load_unit(tid + 5u * WG, 0u, 0u); }
+        if (LD > 6u) { t6 = load_unit(tid + 6u * WG, 0u, 0u); }
+        if (LD > 7u) { t7 = load_unit(tid + 7u * WG, 0u, 0u); }
     }
+    var q0 = vec4<f32>(0.0);
+    if (LQ > 0u) { q0 = q_load(tid + 0u * WG, n_rows); }
+    var q1 = vec4<f32>(0.0);
+    if (LQ > 1u) { q1 = q_load(tid + 1u * WG, n_rows); }
+    var q2 = vec4<f32>(0.0);
+    if (LQ > 2u) { q2 = q_load(tid + 2u * WG, n_rows); }
+    var q3 = vec4<f32>(0.0);
+    if (LQ > 3u) { q3 = q_load(tid + 3u * WG, n_rows); }
+    var q4 = vec4<f32>(0.0);
+    if (LQ > 4u) { q4 = q_load(tid + 4u * WG, n_rows); }
+    var q5 = vec4<f32>(0.0);
+    if (LQ > 5u) { q5 = q_load(tid + 5u * WG, n_rows); }
+    var q6 = vec4<f32>(0.0);
+    if (LQ > 6u) { q6 = q_load(tid + 6u * WG, n_rows); }
+    var q7 = vec4<f32>(0.0);
+    if (LQ > 7u) { q7 = q_load(tid + 7u * WG, n_rows); }
+    var qbad = false;
+    if (LQ > 0u) { qbad = qbad | q_max(tid + 0u * WG, q0); }
+    if (LQ > 1u) { qbad = qbad | q_max(tid + 1u * WG, q1); }
+    if (LQ > 2u) { qbad = qbad | q_max(tid + 2u * WG, q2); }
+    if (LQ > 3u) { qbad = qbad | q_max(tid + 3u * WG, q3); }
+    if (LQ > 4u) { qbad = qbad | q_max(tid + 4u * WG, q4); }
+    if (LQ > 5u) { qbad = qbad | q_max(tid + 5u * WG, q5); }
+    if (LQ > 6u) { qbad = qbad | q_max(tid + 6u * WG, q6); }
+    if (LQ > 7u) { qbad = qbad | q_max(tid + 7u * WG, q7); }
     if (qbad) {
         q_bad = 1u;
     }
     let item_fma = workgroupUniformLoad(&q_bad);  // (also the barrier after the maxima)
-    for (var x = tid; x < RMAX * QV; x += WG) {
-        let r = x / QV;
-        let c = x - r * QV;
-        var hi = vec4<f16>(0.0);
-        var lo = vec4<f16>(0.0);
-        let mb = atomicLoad(&row_qmax[r]);
-        // max in [2^E, 2^(E+1)) -> e = 14 - E puts it in [2^14, 2^15); subnormal maxima count as
-        // 2^-127; e stays in [-113, 126] so that 2^e and 2^-e are normal floats
-        let E = max(i32(mb >> 23u), 0) - 127;
-        let e = clamp(14 - E, -113, 126);
-        if (r < n_rows && mb < 0x7f800000u) {
-            let qs = q[row_q[r] + c] * pow2(e);
-            let h = hi11(qs);
-            hi = vec4<f16>(h);
-            lo = vec4<f16>(qs - h);
-        }
-        if (c == 0u) {
-            row_down[r] = pow2(-e);
-        }
-        let b = r * HS + 4u * c;
-        hmem[b] = hi.x;
-        hmem[b + 1u] = hi.y;
-        hmem[b + 2u] = hi.z;
-        hmem[b + 3u] = hi.w;
-        let bl = RMAX * HS + b;
-        hmem[bl] = lo.x;
-        hmem[bl + 1u] = lo.y;
-        hmem[bl + 2u] = lo.z;
-        hmem[bl + 3u] = lo.w;
-    }
+    if (LQ > 0u) { q_split(tid + 0u * WG, q0); }
+    if (LQ > 1u) { q_split(tid + 1u * WG, q1); }
+    if (LQ > 2u) { q_split(tid + 2u * WG, q2); }
+    if (LQ > 3u) { q_split(tid + 3u * WG, q3); }
+    if (LQ > 4u) { q_split(tid + 4u * WG, q4); }
+    if (LQ > 5u) { q_split(tid + 5u * WG, q5); }
+    if (LQ > 6u) { q_split(tid + 6u * WG, q6); }
+    if (LQ > 7u) { q_split(tid + 7u * WG, q7); }
 
     // 1. Scores of the block, a K tile at a time.
     var par = 0u;
     for (var k0 = 0u; k0 < max_len; k0 += TK) {
-        if (stage_tile(tid, k0, 0u)) {
+        var tb = false;
+        if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 0u); }
+        if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 0u); }
+        if (LD > 2u) { tb = tb | store_unit(tid + 2u * WG, t2, 0u); }
+        if (LD > 3u) { tb = tb | store_unit(tid + 3u * WG, t3, 0u); }
+        if (LD > 4u) { tb = tb | store_unit(tid + 4u * WG, t4, 0u); }
+        if (LD > 5u) { tb = tb | store_unit(tid + 5u * WG, t5, 0u); }
+        if (LD > 6u) { tb = tb | store_unit(tid + 6u * WG, t6, 0u); }
+        if (LD > 7u) { tb = tb | store_unit(tid + 7u * WG, t7, 0u); }
+        if (tb) {
             set_flag(par);
         }
         var bad = 0u;
@@ -348,6 +433,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (tid == 0u) {  // the other flag was last read a tile ago, past a barrier
             if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
         }
+        // the next K tile's loads (after the last one: the first V tile's) fly during this one
+        let kn = k0 + TK;
+        let nw = select(1u, 0u, kn < max_len);
+        let kl = select(0u, kn, kn < max_len);
+        if (LD > 0u) { t0 = load_unit(tid + 0u * WG, kl, nw); }
+        if (LD > 1u) { t1 = load_unit(tid + 1u * WG, kl, nw); }
+        if (LD > 2u) { t2 = load_unit(tid + 2u * WG, kl, nw); }
+        if (LD > 3u) { t3 = load_unit(tid + 3u * WG, kl, nw); }
+        if (LD > 4u) { t4 = load_unit(tid + 4u * WG, kl, nw); }
+        if (LD > 5u) { t5 = load_unit(tid + 5u * WG, kl, nw); }
+        if (LD > 6u) { t6 = load_unit(tid + 6u * WG, kl, nw); }
+        if (LD > 7u) { t7 = load_unit(tid + 7u * WG, kl, nw); }
         if (bad == 0u && item_fma == 0u) {
             for (var i = 0u; i < NST; i++) {
                 let kt = cb + CS * i;  // 16-key block of the tile (the row block is rb)
@@ -458,7 +555,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var acc6: subgroup_matrix_result<f32, 16, 16>;
     var acc7: subgroup_matrix_result<f32, 16, 16>;
     for (var k0 = 0u; k0 < max_len; k0 += TK) {
-        if (stage_tile(tid, k0, 1u)) {
+        var tb = false;
+        if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 1u); }
+        if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 1u); }
+        if (LD > 2u) { tb = tb | store_unit(tid + 2u * WG, t2, 1u); }
+        if (LD > 3u) { tb = tb | store_unit(tid + 3u * WG, t3, 1u); }
+        if (LD > 4u) { tb = tb | store_unit(tid + 4u * WG, t4, 1u); }
+        if (LD > 5u) { tb = tb | store_unit(tid + 5u * WG, t5, 1u); }
+        if (LD > 6u) { tb = tb | store_unit(tid + 6u * WG, t6, 1u); }
+        if (LD > 7u) { tb = tb | store_unit(tid + 7u * WG, t7, 1u); }
+        if (tb) {
             set_flag(par);
         }
         for (var x = tid; x < RMAX * TK; x += WG) {
@@ -483,6 +589,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         if (tid == 0u) {
             if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
+        }
+        if (k0 + TK < max_len) {  // the next V tile's loads fly during this one
+            if (LD > 0u) { t0 = load_unit(tid + 0u * WG, k0 + TK, 1u); }
+            if (LD > 1u) { t1 = load_unit(tid + 1u * WG, k0 + TK, 1u); }
+            if (LD > 2u) { t2 = load_unit(tid + 2u * WG, k0 + TK, 1u); }
+            if (LD > 3u) { t3 = load_unit(tid + 3u * WG, k0 + TK, 1u); }
+            if (LD > 4u) { t4 = load_unit(tid + 4u * WG, k0 + TK, 1u); }
+            if (LD > 5u) { t5 = load_unit(tid + 5u * WG, k0 + TK, 1u); }
+            if (LD > 6u) { t6 = load_unit(tid + 6u * WG, k0 + TK, 1u); }
+            if (LD > 7u) { t7 = load_unit(tid + 7u * WG, k0 + TK, 1u); }
         }
         if (bad != 0u) {
             // NaN / +-inf values of the tile: mark the (row, d) of every attended, not removed

@@ -24,6 +24,7 @@ SUBGROUP = 32                # the kernel's subgroups: 32 consecutive invocation
 HCAP = 13056
 SCAP = 4224
 MAXDT = 8                    # accumulators per subgroup (the shader's eight named ones)
+MAXLD = 8                    # K/V and query units an invocation holds in registers (the shader's LD, LQ)
 MAX_HEAD_DIM = 256
 
 
@@ -61,6 +62,9 @@ def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
         return False
     cs = nsg // nrb
     if (D // 16) % cs or (nrb * (TK // 16)) % nsg or (D // 16) // cs > MAXDT:
+        return False
+    wg = SUBGROUP * nsg
+    if -(-TK * D // 8 // wg) > MAXLD or -(-R * D // 4 // wg) > MAXLD:  # K/V and query units in registers
         return False
     return (2 * R + TK) * HS <= HCAP and R * SB <= SCAP
 
