@@ -60,8 +60,9 @@
 //   TK    keys per K/V tile (multiple of 16, <= D)
 //   BK    positions per block the kernel holds (multiple of TK, >= max_len of every item)
 //   RMAX  rows per work item (multiple of 16)
-//   WG    workgroup size: 32 * NSG subgroups; NSG a multiple of RMAX / 16, the column blocks of
-//         o (D / 16) and the score tiles of a K tile (RMAX / 16 * TK / 16) divisible by it
+//   WG    workgroup size: 32 * NSG subgroups; NSG a multiple of RMAX / 16 and the column blocks
+//         of o (D / 16) divisible by NSG / (RMAX / 16); the score tiles of a K tile are dealt out
+//         to the subgroups (some idle when there are fewer)
 // Workgroup memory (bytes): 4 * RMAX * HS + 2 * TK * HS + 4 * RMAX * SB + 4 * BK + 24 * RMAX
 //   + 12 * WG + RMAX * D / 4 + 16, HS = D + 8, SB = max(BK, D) + 4 (see _sgmat.py).
 
@@ -85,7 +86,7 @@ override NSG: u32 = WG / 32u;              // subgroups
 override NRB: u32 = RMAX / 16u;            // 16-row blocks
 override CS: u32 = NSG / NRB;              // subgroups per row block
 override NDT: u32 = D / 16u / CS;          // 16-column blocks of o per subgroup
-override NST: u32 = NRB * (TK / 16u) / NSG;  // 16x16 score tiles per subgroup and K tile
+override NST: u32 = (NRB * (TK / 16u) + NSG - 1u) / NSG;  // 16x16 score tiles per subgroup and K tile
 override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row
 override NPW: u32 = D / 16u;               // poison words per row (2 bits per column)
 override QV: u32 = D / 4u;                 // vec4 per query row
@@ -448,6 +449,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (bad == 0u && item_fma == 0u) {
             for (var i = 0u; i < NST; i++) {
                 let kt = cb + CS * i;  // 16-key block of the tile (the row block is rb)
+                if (kt >= TK / 16u) {
+                    break;  // (subgroup-uniform: more subgroups than score tiles)
+                }
                 var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)
                 for (var d0 = 0u; d0 < D; d0 += 16u) {
                     let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, col_major>(&hmem, KVO + kt * 16u * HS + d0, HS);

@@ -26,6 +26,7 @@ SCAP = 4224
 MAXDT = 8                    # accumulators per subgroup (the shader's eight named ones)
 MAXLD = 8                    # K/V and query units an invocation holds in registers (the shader's LD, LQ)
 MAX_HEAD_DIM = 256
+NSG_CHOICES = (8, 4, 2, 1)   # subgroups per workgroup, the first that fits
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
     if TK > D or BK % TK or nsg % nrb:
         return False
     cs = nsg // nrb
-    if (D // 16) % cs or (nrb * (TK // 16)) % nsg or (D // 16) // cs > MAXDT:
+    if (D // 16) % cs or (D // 16) // cs > MAXDT:
         return False
     wg = SUBGROUP * nsg
     if -(-TK * D // 8 // wg) > MAXLD or -(-R * D // 4 // wg) > MAXLD:  # K/V and query units in registers
@@ -98,7 +99,7 @@ def _candidates(ctx, D: int, block_size: int, rows_needed: int):
     for R in (rows, 16) if rows == 32 else (16,):
         for TK in (32, 16):
             BK = -(-block_size // TK) * TK
-            for nsg in (4, 2, 1):
+            for nsg in NSG_CHOICES:
                 WG = SUBGROUP * nsg
                 if WG > ctx.max_invocations or not _fits(D, R, TK, BK, nsg):
                     continue
