@@ -24,24 +24,27 @@
 // Algorithm (one work item; rows = M, keys = N, head dim = K of the matrix products)
 //   0. Q: each row's query is scaled by an exact power of two 2^e (its largest |q| into
 //      [2^14, 2^15): no float16 overflow, no subnormal loss of a whole row) and split into
-//      hi = f16(q 2^e) and lo = f16(q 2^e - hi): hi + lo carries ~22 bits of q 2^e. A row whose
-//      q holds NaN or +-inf sets the item's FMA flag (step 1 then runs on FMAs, as
-//      psa_partials.wgsl does).
+//      hi = q 2^e with its mantissa cut to 11 bits (hi11: a float16 value) and
+//      lo = f16(q 2^e - hi): hi + lo carries ~21 bits of q 2^e. A row whose q holds NaN or
+//      +-inf sets the item's FMA flag (step 1 then runs on FMAs, as psa_partials.wgsl does).
 //   1. Scores of the whole block (max_len <= BK positions), a K tile of TK keys at a time:
 //      S' = Qhi K^T + Qlo K^T on subgroup matrices (f16 products are exact in f32, f32
 //      accumulation), stored to workgroup memory, then s = (S' 2^-e) * scale (2^-e exact). A
 //      tile whose readable K holds NaN or +-inf (or an item with the FMA flag) computes its
-//      scores with f32 FMAs from the f32 q instead: bit for bit the FMA kernel's scores.
+//      scores with f32 FMAs from the f32 q instead: the FMA kernel's scores, in its order.
 //   2. Softmax of the whole block (f32, as psa_partials.wgsl step 3 over one tile of max_len
 //      keys): m = max over attended scores (R26: -inf removes its position, NaN is kept), p =
-//      exp(s - m) in place (REMOVED = -1: removed; 0: not attended), l = sum p. One block is one tile of
-//      the online softmax (R14): no rescaling of o is ever needed.
-//   3. o = P V, a V tile of TK keys at a time, with P split like Q (hi = f16(p), lo =
+//      exp(s - m) in place (REMOVED = -1: removed; 0: not attended), l = sum p. One block is one
+//      tile of the online softmax (R14): o is never rescaled, so it stays in registers.
+//   3. o = P V, a V tile of TK keys at a time, with P split like Q (hi = hi11(p), lo =
 //      f16(p - hi)) into two products. Accumulators stay in subgroup-matrix registers for the
 //      whole item; each subgroup owns one 16-row block and NDT 16-column blocks of o.
 //   4. o is staged through workgroup memory and the item's rows are written out.
+// Every K/V tile's global loads are issued into registers one tile ahead (the next K tile, then
+// the first V tile during the last K tile and the softmax, then the next V tile), the first K
+// tile's together with the queries': the kernel waits on a load only once per item.
 //
-// Special values (R26, R10), exactly as psa_partials.wgsl:
+// Special values (R26, R10), as psa_partials.wgsl:
 //   - positions of INVALID pages and past max_len are never read (zeros in the tiles);
 //   - a masked (row, key) pair has p = 0 and a removed one p = REMOVED -> 0 in the f16 P tile; V
 //     values that are NaN or +-inf are replaced by 0 in the staged V tile, so no product 0 * NaN
@@ -50,7 +53,9 @@
 //     seen; both for NaN, for 0 * inf and for +inf + -inf): the written o[d] is then what the
 //     FMA kernel's sum gives, NaN, +inf or -inf;
 //   - a row with a NaN l (a NaN or +inf score) gets o = NaN in every component, as p = NaN
-//     gives in the FMA kernel (its P entries enter the product as 0).
+//     gives in the FMA kernel (its P entries enter the product as 0);
+//   - REMOVED and NaN are tested on bits: a compiler may turn select(p, 0, p < 0) into
+//     max(p, 0), which drops a NaN (measured on the H200 through Dawn).
 //
 // Determinism (R19): the order of every sum is fixed by the constants (tiles, subgroup-matrix
 // products in k order, the softmax's strided partial sums reduced in a fixed order).
@@ -61,10 +66,13 @@
 //   BK    positions per block the kernel holds (multiple of TK, >= max_len of every item)
 //   RMAX  rows per work item (multiple of 16)
 //   WG    workgroup size: 32 * NSG subgroups; NSG a multiple of RMAX / 16 and the column blocks
-//         of o (D / 16) divisible by NSG / (RMAX / 16); the score tiles of a K tile are dealt out
-//         to the subgroups (some idle when there are fewer)
-// Workgroup memory (bytes): 4 * RMAX * HS + 2 * TK * HS + 4 * RMAX * SB + 4 * BK + 24 * RMAX
-//   + 12 * WG + RMAX * D / 4 + 16, HS = D + 8, SB = max(BK, D) + 4 (see _sgmat.py).
+//         of o (D / 16) divisible by NSG / (RMAX / 16), at most 8 per subgroup (NDT); the
+//         score tiles of a K tile are dealt out to the subgroups (some idle when there are fewer)
+//   LD, LQ (derived) K/V and query units an invocation holds in registers: at most 8 each
+// Workgroup memory (bytes, each variable rounded to 16): 2 * HCAP + 4 * SCAP + 4 * BK
+//   + 6 * 4 * RMAX + 3 * 4 * WG + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes:
+//   46912 for D = 128, RMAX = 32, BK = 128 and WG = 128; 48448 with WG = 256). The host checks
+//   2 * RMAX * HS + TK * HS <= HCAP and RMAX * SB <= SCAP, HS = D + 8, SB = max(BK, D) + 4.
 
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
 // uniformity, and the tile offsets derive from the subgroup index tid / 32 (uniform within a
