@@ -17,11 +17,14 @@ a check failed. About 30 to 60 s on an H200.
    NaN / +-inf must equal the FMA kernel's. One problem also compares ``forward_partials`` with
    the kit's per-edge oracle.
 2. The prefill workload (B=1, L=32k, last 4096 queries, causal, Hq=32, Hkv=4, D=128, top-16 of
-   128-position blocks, page 64, float16 caches, resident on the device): the last 64 queries
-   against the reference of that sub-problem, the whole output against the FMA kernel's (within
-   twice the sub-problem's tolerance: two rounded results), then the GPU time of the call (timestamp
-   queries, ``profile_forward``: the call's kernels in one pass, and the partials passes alone)
-   with each kernel, and the host time of ``forward()`` end to end.
+   128-position blocks, page 64, float16 caches, resident on the device), through ``forward()``
+   with ``partials_kernel="auto"`` (the plan path, as in production) on the backend as is (the
+   sgmat kernel) and with ``disable_features=("chromium-experimental-subgroup-matrix",)`` (the
+   FMA kernel): the last 64 queries against the reference of that sub-problem, the whole output
+   against the FMA kernel's (within twice the sub-problem's tolerance: two rounded results),
+   then the GPU time of the call (timestamp queries, ``profile_forward``: the call's kernels in
+   one pass, and the partials passes alone) and the host time of ``forward()`` end to end, with
+   host arrays and with device-resident ``q``, ``selected`` and outputs.
 
 Usage::
 
@@ -219,6 +222,8 @@ def check_partials(sg) -> None:
 
 
 def check_prefill(sg, fma) -> None:
+    """``sg`` and ``fma``: instances with ``partials_kernel="auto"`` (resident caches then take
+    the plan path, as in production), with and without the subgroup-matrix feature."""
     from paged_sparse_attn._index import build_index_arrays
     from paged_sparse_attn._validation import validate_forward
     from paged_sparse_attn.bench.workloads import Workload, make_problem
@@ -236,7 +241,7 @@ def check_prefill(sg, fma) -> None:
     print(f"  prefill problem and the reference of its last {n_sub} queries: {time.perf_counter() - t0:.1f} s",
           flush=True)
     res = {}
-    for bk, label in ((sg, "sgmat"), (fma, "fma")):
+    for bk, label, want in ((sg, "sgmat", SGMAT), (fma, "fma", "psa_partials.wgsl")):
         kd, vd = bk.upload_kv_cache(prob["k_cache"], prob["v_cache"])
         args = dict(prob, k_cache=kd, v_cache=vd)
         try:
@@ -247,6 +252,14 @@ def check_prefill(sg, fma) -> None:
                 t1 = time.perf_counter()
                 psa.forward(**args, backend=bk, return_lse=True)
                 walls.append(time.perf_counter() - t1)
+            dargs = dict(args, q=bk.asarray(prob["q"]), selected=bk.asarray(prob["selected"]))
+            dwalls = []
+            for i in range(4):
+                t1 = time.perf_counter()
+                _, dl = psa.forward(**dargs, backend=bk, return_lse=True)
+                np.asarray(dl.numpy())
+                if i:
+                    dwalls.append(time.perf_counter() - t1)
             res[label] = (out, lse)
             try:
                 assert_attention_close(out[-n_sub:], ref, dtype=ps.dtypes, lse=lse[-n_sub:], ref_lse=ref_lse, tol=tol)
@@ -261,15 +274,14 @@ def check_prefill(sg, fma) -> None:
                                  block_size=args["block_size"], softmax_scale=None, causal=args["causal"])
             idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
                                      block_size=p.block_size, page_size=p.page_size, causal=p.causal)
-            prof = bk.profile_forward(p, idx, repeat=5, kernel="sgmat" if label == "sgmat" else "generic",
-                                      replay="auto", warmup_s=0.5)
-            ok = prof.get("kernel") == (SGMAT if label == "sgmat" else "psa_partials.wgsl")
+            prof = bk.profile_forward(p, idx, repeat=5, kernel="auto", replay="auto", warmup_s=0.5)
             call = prof.get("call_s")
-            report(ok, f"[{label}] prefill timing ({prof.get('kernel')})",
+            report(prof.get("kernel") == want, f"[{label}] prefill timing ({prof.get('kernel')})",
                    f"GPU call {call * 1e3 if call else float('nan'):.3f} ms (one pass), partials "
                    f"{prof['partials_s'] * 1e3:.3f} ms, combine {prof['combine_s'] * 1e3:.3f} ms, all passes "
-                   f"{prof['total_s'] * 1e3:.3f} ms, replay {prof.get('replay')}; forward() end to end "
-                   f"{min(walls) * 1e3:.1f} ms (host arrays back, {prof.get('timer')})")
+                   f"{prof['total_s'] * 1e3:.3f} ms, replay {prof.get('replay')} ({prof.get('timer')}); "
+                   f"forward() end to end {min(walls) * 1e3:.1f} ms with host q and out (64 MiB each way), "
+                   f"{min(dwalls) * 1e3:.1f} ms with device q, selected and out")
         except Exception as exc:
             report(False, f"[{label}] prefill", f"{type(exc).__name__}: {str(exc)[:400]}")
         finally:
@@ -287,14 +299,12 @@ def check_prefill(sg, fma) -> None:
 
 
 def _make(be, kernel: str):
-    """Another instance of ``be``'s class with the partials kernel forced."""
+    """Another instance of ``be``'s class: the partials kernel forced (``"sgmat"``, ``"generic"``),
+    or automatic with (``"auto"``) or without (``"auto-fma"``) the subgroup-matrix feature."""
     cls = type(be)
-    try:
-        return cls(partials_kernel=kernel)
-    except TypeError:  # no partials_kernel option: the FMA kernel is the one without the feature
-        if kernel == "generic":
-            return cls(disable_features=("chromium-experimental-subgroup-matrix",))
-        return be
+    if kernel == "auto-fma":
+        return cls(disable_features=("chromium-experimental-subgroup-matrix",))
+    return cls(partials_kernel=kernel)
 
 
 def main() -> int:
@@ -316,7 +326,7 @@ def main() -> int:
         check_case(name, d, special, sg, fma)
     check_partials(sg)
     if not a.skip_prefill:
-        check_prefill(sg, fma)
+        check_prefill(_make(be, "auto"), _make(be, "auto-fma"))
     print(f"{'FAIL' if FAILED else 'PASS'}: {len(FAILED)} failed check(s); {time.perf_counter() - t0:.1f} s", flush=True)
     return 1 if FAILED else 0
 
