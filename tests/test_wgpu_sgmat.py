@@ -127,3 +127,8 @@ def test_pipelines_with_the_hosts_constants_pass_tint_up_to_the_workgroup_memory
                                                                    "constants": g.constants()})
     finally:
         device.destroy()
+
+
+def test_batch_invariance_cannot_be_combined_with_the_sgmat_kernel(WgpuBackend):
+    with pytest.raises(ValueError, match="batch_invariant=True runs the generic partials kernel.*'sgmat'"):
+        WgpuBackend(required_limits="default", partials_kernel="sgmat", batch_invariant=True)

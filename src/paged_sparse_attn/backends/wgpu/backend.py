@@ -161,9 +161,9 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"{type(self).__name__}(): partials_kernel must be 'auto', 'generic', 'decode' or 'sgmat', "
                              f"got {partials_kernel!r}")
         self._kernel = partials_kernel
-        if batch_invariant and partials_kernel == "decode":
+        if batch_invariant and partials_kernel in ("decode", "sgmat"):
             raise ValueError(f"{type(self).__name__}(): batch_invariant=True runs the generic partials kernel; it cannot be "
-                             "combined with partials_kernel='decode'")
+                             f"combined with partials_kernel={partials_kernel!r}")
         self._batch_invariant = bool(batch_invariant)
         self._kernel_override: str | None = None  # profile_forward(kernel=...)
         if max_device_bytes is not None and int(max_device_bytes) < 1:
