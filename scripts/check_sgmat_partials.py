@@ -42,7 +42,10 @@ import numpy as np
 import paged_sparse_attn as psa
 from paged_sparse_attn.errors import UnsupportedError
 from paged_sparse_attn.testing import oracle
-from paged_sparse_attn.testing.assertions import assert_attention_close, assert_partials_close
+from paged_sparse_attn.testing.assertions import (
+    assert_attention_close,
+    assert_partials_close,
+)
 from paged_sparse_attn.testing.problem import AttentionProblem
 
 SGMAT = "psa_partials_sgmat.wgsl"
@@ -92,8 +95,8 @@ def make(seed: int, *, lens, tq, Hq, Hkv, D, S, BS, topk, causal=True, holes=0, 
     q = rng.standard_normal((Tq, Hq, D), dtype=np.float32)
     k = rng.standard_normal((P, Hkv, S, D), dtype=np.float32).astype(np.float16)
     v = rng.standard_normal((P, Hkv, S, D), dtype=np.float32).astype(np.float16)
-    return dict(q=q, k_cache=k, v_cache=v, block_tables=bt, selected=sel, cu_seqlens_q=cu,
-                used_kv_lens=np.asarray(lens, np.int32), block_size=BS, softmax_scale=scale, causal=causal)
+    return {"q": q, "k_cache": k, "v_cache": v, "block_tables": bt, "selected": sel, "cu_seqlens_q": cu,
+            "used_kv_lens": np.asarray(lens, np.int32), "block_size": BS, "softmax_scale": scale, "causal": causal}
 
 
 def problem(d: dict, values: str = "") -> AttentionProblem:
@@ -103,7 +106,7 @@ def problem(d: dict, values: str = "") -> AttentionProblem:
 def cases() -> list[tuple[str, dict, str]]:
     """(name, problem arguments, what is special)."""
     out = []
-    G8 = dict(Hq=16, Hkv=2, D=128, S=64, BS=128, topk=3)
+    G8 = {"Hq": 16, "Hkv": 2, "D": 128, "S": 64, "BS": 128, "topk": 3}
     out.append(("causal prefill G=8 D=128, partial blocks", make(1, lens=[300, 517], tq=[40, 64], **G8), ""))
     out.append(("causal prefill G=1 D=64 (16-position pages, 64-position blocks)",
                 make(2, lens=[200, 333], tq=[17, 50], Hq=4, Hkv=4, D=64, S=16, BS=64, topk=4), ""))
@@ -178,7 +181,7 @@ def check_case(name: str, d: dict, special: str, sg, fma) -> None:
                 raise
             print(f"SKIP [{label}] {name}: {str(exc)[:300]}", flush=True)  # the FMA kernel runs these
             continue
-        except Exception as exc:  # a failing kernel is a failed check, not a crash
+        except Exception as exc:  # noqa: BLE001  (a failing kernel is a failed check, not a crash)
             report(False, f"[{label}] {name}", f"{type(exc).__name__}: {exc}")
             continue
         kern = getattr(be, "last_timings", {}).get("kernel")
@@ -217,7 +220,7 @@ def check_partials(sg) -> None:
                               dtype=p.dtypes, tol=p.tolerance())
         report(True, "[sgmat] forward_partials against the per-edge oracle (R14)",
                f"{index.num_edges} edges, max |o - ref| {float(np.abs(np.asarray(part.o) - ro).max()):.3g}")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (a failed check, not a crash)
         report(False, "[sgmat] forward_partials against the per-edge oracle (R14)", str(exc).splitlines()[0][:400])
 
 
@@ -282,7 +285,7 @@ def check_prefill(sg, fma) -> None:
                    f"{prof['total_s'] * 1e3:.3f} ms, replay {prof.get('replay')} ({prof.get('timer')}); "
                    f"forward() end to end {min(walls) * 1e3:.1f} ms with host q and out (64 MiB each way), "
                    f"{min(dwalls) * 1e3:.1f} ms with device q, selected and out")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (a failed check, not a crash)
             report(False, f"[{label}] prefill", f"{type(exc).__name__}: {str(exc)[:400]}")
         finally:
             kd.release()

@@ -15,21 +15,20 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _problems import assert_close_to_reference, make_problem
 
 import paged_sparse_attn as psa
 from paged_sparse_attn.backends.wgpu import _sgmat
 from paged_sparse_attn.backends.wgpu._kernels import KERNEL_TABLE
 from paged_sparse_attn.errors import UnsupportedError
 
-from _problems import assert_close_to_reference, make_problem
-
 SHADER = Path(__file__).resolve().parents[1] / "shaders" / "psa_partials_sgmat.wgsl"
 
 
 def _ctx(**over):
     """A device context as the geometry sees it: the H200 through Dawn unless overridden."""
-    base = dict(sgmat=frozenset({(16, 16, 16), (16, 8, 16), (16, 8, 8)}), workgroup_storage=49152,
-                max_invocations=1024, subgroup=(32, ""))
+    base = {"sgmat": frozenset({(16, 16, 16), (16, 8, 16), (16, 8, 8)}), "workgroup_storage": 49152,
+            "max_invocations": 1024, "subgroup": (32, "")}
     return SimpleNamespace(**{**base, **over})
 
 
@@ -69,12 +68,12 @@ def test_every_chosen_geometry_keeps_the_kernels_rules(D, block_size, rows):
 @pytest.mark.parametrize("ctx, kw, why", [
     (_ctx(sgmat=frozenset()), {}, "no 16x16x16"),
     (_ctx(sgmat=frozenset({(16, 8, 16)})), {}, "no 16x16x16"),
-    (_ctx(), dict(itemsize=4), "not float16"),
-    (_ctx(), dict(D=8), "multiple of 16"),
-    (_ctx(), dict(D=272), "multiple of 16 up to 256"),
+    (_ctx(), {"itemsize": 4}, "not float16"),
+    (_ctx(), {"D": 8}, "multiple of 16"),
+    (_ctx(), {"D": 272}, "multiple of 16 up to 256"),
     (_ctx(subgroup=(64, "")), {}, "subgroup size is 64"),
     (_ctx(workgroup_storage=16384), {}, "fits 16384 bytes"),
-    (_ctx(), dict(block_size=1024), "blocks of 1024"),
+    (_ctx(), {"block_size": 1024}, "blocks of 1024"),
 ])
 def test_when_the_kernel_does_not_apply_the_host_says_why(ctx, kw, why):
     assert why in _why(ctx, **kw)
@@ -86,7 +85,7 @@ def test_shader_capacities_match_the_host():
         m = re.search(rf"const {name}: u32 = (\d+)u;", src)
         assert m and int(m.group(1)) == getattr(_sgmat, name), name
     assert "acc7" in src and "acc8" not in src and _sgmat.MAXDT == 8  # eight named accumulators
-    assert not re.search(r"^\s*enable ", src, re.M)  # the loader prepends the enables
+    assert not re.search(r"^\s*enable ", src, re.MULTILINE)  # the loader prepends the enables
     row = KERNEL_TABLE["psa_partials_sgmat.wgsl"]
     assert row.sgmat and row.bindings == KERNEL_TABLE["psa_partials.wgsl"].bindings
 

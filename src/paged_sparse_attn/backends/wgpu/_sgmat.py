@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ._plan import Geometry
 
-__all__ = ["SGMAT", "SgmatGeometry", "sgmat_workgroup_bytes", "sgmat_ineligible", "choose_sgmat_geometry"]
+__all__ = ["SGMAT", "SgmatGeometry", "choose_sgmat_geometry", "sgmat_ineligible", "sgmat_workgroup_bytes"]
 
 SGMAT = "psa_partials_sgmat.wgsl"
 SGMAT_CONFIG = (16, 16, 16)  # (M, N, K) of the float16 -> float32 matrices the kernel uses
