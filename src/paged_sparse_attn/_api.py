@@ -10,7 +10,10 @@ from ._index import build_index_arrays
 from ._outputs import backend_label, checked_out_lse, checked_partials
 from ._types import Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
 from ._validation import (
+    cache_dims,
+    check_cache_layout,
     check_float_array,
+    check_kv_layout,
     check_softmax_scale,
     validate_forward,
     validate_index,
@@ -27,7 +30,7 @@ __all__ = ["forward", "forward_partials", "combine_partials", "build_kvouter_ind
 
 
 def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...], head_dim: int,
-                       page_size: int, block_size: int, device_arrays: bool) -> None:
+                       page_size: int, block_size: int, device_arrays: bool, kv_layout: str = "HND") -> None:
     """Raise UnsupportedError (R18) if ``backend`` cannot run a valid problem of this kind."""
     caps: Capabilities = backend.capabilities
     why = None
@@ -42,6 +45,9 @@ def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...
         why = f"block_size {block_size} exceeds its maximum {caps.max_block_size}"
     if device_arrays and not caps.device_arrays:
         why = "it does not accept device-resident arrays"
+    layouts = getattr(caps, "kv_layouts", ("HND",))
+    if kv_layout not in layouts:  # R34: declared, never transposed behind the caller's back
+        why = f"kv_layout {kv_layout!r} is not supported (supported: {', '.join(layouts)})"
     if why:
         raise UnsupportedError(f"{fn}(): backend {backend_label(backend)} cannot run this problem: {why} [R18]")
 
@@ -63,11 +69,11 @@ def _run_checks(backend: Backend, fn: str, p: Problem) -> None:
     dev = check_owner(backend, fn, p.k_cache, p.v_cache)
     # q was widened exactly to float32 by the validation (R7): only the cache dtype is capability-bound
     check_capabilities(backend, fn, dtypes=(p.cache_dtype,), head_dim=p.head_dim,
-                       page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
+                       page_size=p.page_size, block_size=p.block_size, device_arrays=dev, kv_layout=p.kv_layout)
 
 
 def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens=None,
-            block_size, softmax_scale=None, causal=False, backend=None, return_lse=False):
+            block_size, softmax_scale=None, causal=False, kv_layout="HND", backend=None, return_lse=False):
     """Block-sparse attention over a paged KV cache (R9-R11), computed KV-outer (R13-R15).
 
     Parameters
@@ -75,8 +81,9 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     q : array [Tq, Hq, D], float32, float16 or bfloat16
         Packed queries of all sequences; any R7 dtype, independent of the cache dtype, widened
         exactly to float32 before the backend sees it (R7).
-    k_cache, v_cache : array [P, Hkv, S, D], same shape and dtype (float32, float16 or bfloat16)
-        Paged caches (S = page size), or device-resident handles of the backend.
+    k_cache, v_cache : array [P, Hkv, S, D] (or [P, S, Hkv, D] with ``kv_layout="NHD"``)
+        Paged caches of the same shape and dtype (float32, float16 or bfloat16; S = page size),
+        or device-resident handles of the backend.
     block_tables : int array [B, max_pages]
         Physical page of each logical page, -1 = unmapped (R2).
     selected : int array [Tq, Hkv, topk]
@@ -92,6 +99,10 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     causal : bool
         Right-aligned causal mask: query i of T_b sees positions ``<= L_b - T_b + i`` (R9).
         Default False (``block_scores`` and ``sparse_attention`` default to True, R8).
+    kv_layout : {"HND", "NHD"}
+        Page layout of the caches (R34): ``"HND"`` ``[P, Hkv, S, D]`` (default) or ``"NHD"``
+        ``[P, S, Hkv, D]`` (vLLM's and FlashInfer's). Read in place; the results are the same
+        bits in both layouts.
     backend : str, Backend or None
         None: the default backend (``"numpy"``, see
         [`use_backend`][paged_sparse_attn.use_backend]), or the backend holding device-resident
@@ -109,7 +120,7 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     Raises
     ------
     SpecError
-        An input violates R1-R8 (before any backend work).
+        An input violates R1-R8 or R34 (before any backend work).
     UnsupportedError
         The backend cannot run this valid problem (R18).
     BackendUnavailableError
@@ -120,10 +131,10 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
 
         return forward_planned(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
                                used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
-                               causal=causal, backend=backend, return_lse=return_lse)
+                               causal=causal, kv_layout=kv_layout, backend=backend, return_lse=return_lse)
     p = validate_forward("forward", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
-                         causal=causal)
+                         causal=causal, kv_layout=kv_layout)
     be = resolve_backend(backend, p.k_cache, p.v_cache)
     _run_checks(be, "forward", p)
     if be.plans_forward(p):  # the backend's plan runtime takes this call (R32)
@@ -165,17 +176,20 @@ def build_kvouter_index(selected, block_tables, cu_seqlens_q, used_kv_lens=None,
     return build_index_arrays(sel, bt, cu, lens, block_size=bs, page_size=s, causal=c)
 
 
-def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, backend=None) -> Partials:
+def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, kv_layout="HND", backend=None) -> Partials:
     """Per-(edge, query head) online-softmax partials (R14).
 
     Parameters
     ----------
     q : array [Tq, Hq, D]
-    k_cache, v_cache : array [P, Hkv, S, D] (or device-resident handles)
+    k_cache, v_cache : array [P, Hkv, S, D] (or [P, S, Hkv, D] with ``kv_layout="NHD"``; or
+        device-resident handles)
     index : KVOuterIndex
         From [`build_kvouter_index`][paged_sparse_attn.build_kvouter_index] with the same page
-        size.
+        size (an index does not depend on the page layout).
     softmax_scale : float, optional
+    kv_layout : {"HND", "NHD"}
+        Page layout of the caches (R34).
     backend : str, Backend or None
 
     Returns
@@ -185,16 +199,19 @@ def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, backend=
         an edge that attends nothing has ``m = -inf``, ``l = 0``, ``o = 0``.
     """
     fn = "forward_partials"
+    kv_layout = check_kv_layout(kv_layout, fn)
     q = widen_query(check_float_array(q, fn, "q", 3))  # R7: backends receive float32 q
     k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
     v_cache = check_float_array(v_cache, fn, "v_cache", 4, allow_device=True)
+    check_cache_layout(k_cache, fn, "k_cache", kv_layout)
+    check_cache_layout(v_cache, fn, "v_cache", kv_layout)
     if tuple(k_cache.shape) != tuple(v_cache.shape) or np.dtype(k_cache.dtype) != np.dtype(v_cache.dtype):
         from ._validation import _fail
 
         raise _fail(fn, "k_cache and v_cache must have the same shape and dtype, got "
                     f"{tuple(k_cache.shape)} {np.dtype(k_cache.dtype).name} and "
                     f"{tuple(v_cache.shape)} {np.dtype(v_cache.dtype).name}", "R1")
-    P, Hkv, S, D = k_cache.shape
+    P, Hkv, S, D = cache_dims(k_cache.shape, kv_layout)
     from ._validation import _fail
 
     if Hkv < 1 or q.shape[1] < 1 or q.shape[1] % Hkv or q.shape[2] != D or D < 1:
@@ -202,7 +219,7 @@ def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, backend=
     index = validate_index(fn, index, num_queries=q.shape[0], num_kv_heads=Hkv, page_size=S, num_pages=P)
     scale = check_softmax_scale(softmax_scale, D, fn)
     p = Problem(q, k_cache, v_cache, index.block_tables, np.zeros((q.shape[0], Hkv, 0), np.int32),
-                index.cu_seqlens_q, index.used_kv_lens, index.block_size, scale, index.causal)
+                index.cu_seqlens_q, index.used_kv_lens, index.block_size, scale, index.causal, kv_layout)
     be = resolve_backend(backend, k_cache, v_cache)
     _run_checks(be, fn, p)
     return checked_partials(be, fn, be.forward_partials(p, index), index.num_edges, p.group_size, p.head_dim)

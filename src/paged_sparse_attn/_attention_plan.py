@@ -20,7 +20,7 @@ from ._api import check_capabilities, check_owner
 from ._host_runtime import HostRuntime
 from ._layout import BatchLayout, validate_layout
 from ._types import DeviceArray, KVOuterIndex
-from ._validation import _fail, check_float_array, check_int_array, check_selected
+from ._validation import _fail, cache_dims, check_cache_layout, check_float_array, check_int_array, check_selected
 from .errors import UnsupportedError
 from .registry import resolve_backend
 
@@ -29,7 +29,7 @@ __all__ = ["plan_attention", "AttentionPlan", "cached_plan", "forward_planned"]
 
 def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size, num_q_heads,
                    num_kv_heads, head_dim, kv_dtype, topk, causal=False, softmax_scale=None, index_dim=None,
-                   num_index_heads=None, index_dtype=None, backend=None) -> "AttentionPlan":
+                   num_index_heads=None, index_dtype=None, kv_layout="HND", backend=None) -> "AttentionPlan":
     """Plan block-sparse attention for a batch layout, to run on many layers (R32).
 
     Parameters
@@ -56,6 +56,9 @@ def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
         ``d_idx``, ``Hk_idx`` (1 or ``Hkv``) and dtype of the index branch's ``index_q``
         [Tq, Hkv, d_idx] and ``index_k_cache`` [P, Hk_idx, S, d_idx]: needed by
         ``run_sparse`` only.
+    kv_layout : {"HND", "NHD"}
+        Page layout of every run's caches and index keys (R34): ``[P, Hkv, S, D]`` (default) or
+        ``[P, S, Hkv, D]``.
     backend : str, Backend or None
 
     Returns
@@ -65,7 +68,7 @@ def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
     Raises
     ------
     SpecError
-        The layout breaks R1-R5, R7, R8 (nothing is allocated).
+        The layout breaks R1-R5, R7, R8, R34 (nothing is allocated).
     UnsupportedError
         The backend cannot run this layout (R18).
     """
@@ -74,7 +77,7 @@ def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
                           page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                           head_dim=head_dim, kv_dtype=kv_dtype, topk=topk, causal=causal,
                           softmax_scale=softmax_scale, index_dim=index_dim, num_index_heads=num_index_heads,
-                          index_dtype=index_dtype)
+                          index_dtype=index_dtype, kv_layout=kv_layout)
     be = resolve_backend(backend)
     return AttentionPlan(lay, be)
 
@@ -93,7 +96,8 @@ class AttentionPlan:
 
     def __init__(self, layout: BatchLayout, backend):
         check_capabilities(backend, "plan_attention", dtypes=(layout.kv_dtype,), head_dim=layout.head_dim,
-                           page_size=layout.page_size, block_size=layout.block_size, device_arrays=False)
+                           page_size=layout.page_size, block_size=layout.block_size, device_arrays=False,
+                           kv_layout=layout.kv_layout)
         self.layout = layout
         self.backend = backend
         self._host = HostRuntime(backend, layout)  # the plain path (and the calls a runtime leaves to it)
@@ -124,13 +128,15 @@ class AttentionPlan:
                 out.append(None)
                 continue
             x = check_float_array(x, fn, name, 4, allow_device=True)
-            P, H, S, D = x.shape
+            check_cache_layout(x, fn, name, L.kv_layout)
+            P, H, S, D = cache_dims(x.shape, L.kv_layout)
             want_h = L.num_kv_heads if heads is None else heads
             want_d = L.head_dim if dim is None else dim
             want_dt = L.kv_dtype if dtype is None else dtype
             if H != want_h or S != L.page_size or D != want_d or np.dtype(x.dtype) != want_dt:
-                raise _fail(fn, f"{name} must be {np.dtype(want_dt).name} [P, {want_h}, {L.page_size}, {want_d}] "
-                            f"(the plan's layout), got {np.dtype(x.dtype).name} {list(x.shape)}", "R32")
+                want = ", ".join(map(str, L.cache_shape("P", want_h, want_d)))
+                raise _fail(fn, f"{name} must be {np.dtype(want_dt).name} [{want}] (the plan's layout, "
+                            f"kv_layout={L.kv_layout!r}), got {np.dtype(x.dtype).name} {list(x.shape)}", "R32")
             if P <= L.max_page:
                 raise _fail(fn, f"{name} has {P} pages; block_tables refers to page {L.max_page}", "R2")
             out.append(x)
@@ -156,7 +162,8 @@ class AttentionPlan:
         Parameters
         ----------
         q : array [Tq, Hq, D] or device array of the plan's backend
-        k_cache, v_cache : array [P, Hkv, S, D] (or device-resident caches)
+        k_cache, v_cache : array [P, Hkv, S, D] (or [P, S, Hkv, D] with the plan's
+            ``kv_layout="NHD"``; or device-resident caches)
         selected : int array [Tq, Hkv, topk] or an int32 device array
         return_lse : bool
 
@@ -233,7 +240,8 @@ class AttentionPlan:
         new = validate_layout(fn, bt, L.cu_seqlens_q, lens, block_size=L.block_size, page_size=L.page_size,
                               num_q_heads=L.num_q_heads, num_kv_heads=L.num_kv_heads, head_dim=L.head_dim,
                               kv_dtype=L.kv_dtype, topk=L.topk, causal=L.causal, softmax_scale=L.softmax_scale,
-                              index_dim=L.index_dim, num_index_heads=L.num_index_heads, index_dtype=L.index_dtype)
+                              index_dim=L.index_dim, num_index_heads=L.num_index_heads, index_dtype=L.index_dtype,
+                              kv_layout=L.kv_layout)
         if new.block_tables.shape != L.block_tables.shape:
             raise _fail(fn, f"block_tables must keep the plan's shape {list(L.block_tables.shape)}, got "
                         f"{list(new.block_tables.shape)}; make a new plan for a new batch", "R32")
@@ -289,23 +297,28 @@ def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
 
 
 def forward_planned(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens, block_size,
-                    softmax_scale, causal, backend, return_lse):
+                    softmax_scale, causal, kv_layout="HND", backend, return_lse):
     """``forward()`` when ``q`` or ``selected`` is a device array (R30): through a cached plan."""
     fn = "forward"
+    from ._validation import check_kv_layout
+
+    kv_layout = check_kv_layout(kv_layout, fn)
     qq = check_float_array(q, fn, "q", 3, allow_device=True)
     k = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
+    check_cache_layout(k, fn, "k_cache", kv_layout)
     if not isinstance(selected, DeviceArray):
         selected = check_int_array(selected, fn, "selected", 3, "R6")
     if len(selected.shape) != 3:
         raise _fail(fn, f"selected must be 3-D, got shape {list(selected.shape)}", "R6")
     Tq, Hq, D = qq.shape
-    P, Hkv, S, Dk = k.shape
+    P, Hkv, S, Dk = cache_dims(k.shape, kv_layout)
     if Hkv < 1 or Hq < 1 or Hq % Hkv or Dk != D:
         raise _fail(fn, f"q {list(qq.shape)} and k_cache {list(k.shape)} must satisfy Hq % Hkv == 0 and equal "
                     "head_dim", "R1")
     lay = validate_layout(fn, block_tables, cu_seqlens_q, used_kv_lens, block_size=block_size, page_size=S,
                           num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, kv_dtype=k.dtype,
-                          topk=int(selected.shape[2]), causal=causal, softmax_scale=softmax_scale)
+                          topk=int(selected.shape[2]), causal=causal, softmax_scale=softmax_scale,
+                          kv_layout=kv_layout)
     if lay.num_queries != Tq:
         raise _fail(fn, f"cu_seqlens_q[-1] must equal Tq={Tq}, got {lay.num_queries}", "R3")
     be = resolve_backend(backend, qq, k, v_cache, selected)

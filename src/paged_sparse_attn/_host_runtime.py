@@ -26,7 +26,7 @@ class HostRuntime:
     def _problem(self, q, k, v, sel) -> Problem:
         L = self.layout
         return Problem(q, k, v, L.block_tables, sel, L.cu_seqlens_q, L.used_kv_lens, L.block_size,
-                       L.softmax_scale, L.causal)
+                       L.softmax_scale, L.causal, L.kv_layout)
 
     def kvouter_index(self, sel: np.ndarray) -> KVOuterIndex:
         L = self.layout
@@ -42,7 +42,8 @@ class HostRuntime:
         L = self.layout
         return sparse_attention(q, k, v, index_q, index_k_cache, L.block_tables, L.cu_seqlens_q,
                                 used_kv_lens=L.used_kv_lens, block_size=L.block_size, topk=L.topk,
-                                causal=L.causal, softmax_scale=L.softmax_scale, backend=self.backend,
+                                causal=L.causal, softmax_scale=L.softmax_scale, kv_layout=L.kv_layout,
+                                backend=self.backend,
                                 return_lse=True)
 
     def update(self, layout: BatchLayout) -> None:

@@ -3,7 +3,8 @@
 A ``BatchLayout`` holds everything of a forward call except the per-layer tensors (``q``,
 ``k_cache``, ``v_cache``, ``selected`` and the index branch's ``index_q``, ``index_k_cache``):
 the sequences (``cu_seqlens_q``, ``used_kv_lens``), the page map (``block_tables``), the shapes
-and dtypes of the tensors, ``block_size``, ``topk``, ``softmax_scale`` and ``causal``.
+and dtypes of the tensors, their page layout ``kv_layout`` (R34), ``block_size``, ``topk``,
+``softmax_scale`` and ``causal``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ._validation import (
     _fail,
     check_causal,
     check_int_array,
+    check_kv_layout,
     check_layout,
     check_page_size,
     check_softmax_scale,
@@ -61,6 +63,8 @@ class BatchLayout:
     index_dtype : numpy.dtype or None
     max_page : int
         Largest page id in ``block_tables`` (-1 if none): a cache must have more pages (R2).
+    kv_layout : str
+        ``"HND"`` or ``"NHD"``: the page layout of the caches and index keys (R34).
     """
 
     block_tables: np.ndarray
@@ -79,6 +83,13 @@ class BatchLayout:
     num_index_heads: int | None = None
     index_dtype: np.dtype | None = None
     max_page: int = field(default=-1)
+    kv_layout: str = "HND"
+
+    def cache_shape(self, num_pages, heads: int | None = None, dim: int | None = None) -> tuple:
+        """The shape of a cache of this layout: ``[P, H, S, d]`` (HND) or ``[P, S, H, d]`` (NHD)."""
+        h = self.num_kv_heads if heads is None else heads
+        d = self.head_dim if dim is None else dim
+        return (num_pages, h, self.page_size, d) if self.kv_layout == "HND" else (num_pages, self.page_size, h, d)
 
     @property
     def num_queries(self) -> int:
@@ -110,13 +121,14 @@ class BatchLayout:
         return (self.block_tables.shape, self.cu_seqlens_q.tobytes(), self.block_size, self.page_size, self.num_q_heads,
                 self.num_kv_heads, self.head_dim, self.kv_dtype.name, self.topk, self.softmax_scale,
                 self.causal, self.index_dim, self.num_index_heads,
-                None if self.index_dtype is None else self.index_dtype.name)
+                None if self.index_dtype is None else self.index_dtype.name, self.kv_layout)
 
 
 def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size,
                     num_q_heads, num_kv_heads, head_dim, kv_dtype, topk, causal=False, softmax_scale=None,
-                    index_dim=None, num_index_heads=None, index_dtype=None) -> BatchLayout:
-    """Check a batch layout once (R1-R5, R7, R8, R32) and return it as a ``BatchLayout``."""
+                    index_dim=None, num_index_heads=None, index_dtype=None, kv_layout="HND") -> BatchLayout:
+    """Check a batch layout once (R1-R5, R7, R8, R32, R34) and return it as a ``BatchLayout``."""
+    kvl = check_kv_layout(kv_layout, fn)
     S = check_page_size(page_size, fn)
     Hq = _positive(num_q_heads, fn, "num_q_heads", "R1")
     Hkv = _positive(num_kv_heads, fn, "num_kv_heads", "R1")
@@ -141,11 +153,11 @@ def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, b
             raise _fail(fn, f"num_index_heads must be 1 or num_kv_heads={Hkv}, got {ihead}", "R21")
         idt = kdt if index_dtype is None else _dtype(index_dtype, fn, "index_dtype")
     return BatchLayout(bt, cu, lens, bs, S, Hq, Hkv, D, kdt, int(topk), scale, c, idim, ihead, idt,
-                       int(bt.max(initial=-1)))
+                       int(bt.max(initial=-1)), kvl)
 
 
 def layout_of(p) -> BatchLayout:
     """The layout of a validated ``Problem`` (no new checks)."""
     return BatchLayout(p.block_tables, p.cu_seqlens_q, p.used_kv_lens, p.block_size, p.page_size, p.num_q_heads,
                        p.num_kv_heads, p.head_dim, p.cache_dtype, p.topk, p.softmax_scale, p.causal,
-                       max_page=int(p.block_tables.max(initial=-1)))
+                       max_page=int(p.block_tables.max(initial=-1)), kv_layout=p.kv_layout)

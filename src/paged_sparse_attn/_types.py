@@ -65,6 +65,10 @@ class Capabilities:
     index_branch : bool
         The backend implements ``block_scores`` and ``select_topk`` (R21-R25); the API refuses
         the index branch on a backend without it (R18).
+    kv_layouts : tuple of str
+        Page layouts of the caches the backend reads (R34): ``"HND"`` ([P, Hkv, S, D]) and/or
+        ``"NHD"`` ([P, S, Hkv, D]). The API refuses another layout with ``UnsupportedError``
+        before calling the backend (R18). Default ``("HND",)``.
     features : frozenset of str
         Device features that matter (``"shader-f16"``, ``"subgroup"``, ``"timestamp-query"``,
         ``"subgroup-matrix"``, and one ``"subgroup-matrix-f16-MxNxK"`` per f16 x f16 -> f32
@@ -83,6 +87,7 @@ class Capabilities:
     deterministic: bool = True
     batch_invariant: bool = False
     index_branch: bool = False
+    kv_layouts: tuple[str, ...] = ("HND",)
     features: frozenset[str] = frozenset()
     limits: Mapping[str, int] = field(default_factory=dict)
     device: str = "cpu"
@@ -101,11 +106,15 @@ class DeviceArray:
     dtype : numpy.dtype
     backend : Backend
         The backend instance whose device holds the data.
+    kv_layout : str
+        Page layout of a cache held on the device (R34): ``"HND"`` (the default) or ``"NHD"``;
+        a call must name the layout its device caches were uploaded in.
     """
 
     shape: tuple[int, ...]
     dtype: np.dtype
     backend: Any
+    kv_layout: str = "HND"
 
     @property
     def ndim(self) -> int:
@@ -129,8 +138,8 @@ class Problem:
     ----------
     q : ndarray [Tq, Hq, D]
         Queries, float32 (widened exactly from any R7 dtype).
-    k_cache, v_cache : ndarray or DeviceArray [P, Hkv, S, D]
-        The paged caches, float32, float16 or bfloat16, of one dtype.
+    k_cache, v_cache : ndarray or DeviceArray [P, Hkv, S, D] or [P, S, Hkv, D]
+        The paged caches, float32, float16 or bfloat16, of one dtype, in ``kv_layout``.
     block_tables : ndarray int32 [B, max_pages]
         Physical page of every logical page, ``-1`` where none (R2).
     selected : ndarray int32 [Tq, Hkv, topk]
@@ -142,6 +151,9 @@ class Problem:
     softmax_scale : float
         Already defaulted to ``1 / sqrt(D)``.
     causal : bool
+    kv_layout : str
+        ``"HND"`` (caches ``[P, Hkv, S, D]``) or ``"NHD"`` (``[P, S, Hkv, D]``), R34; one of the
+        backend's ``capabilities.kv_layouts``.
     """
 
     q: np.ndarray  # [Tq, Hq, D]
@@ -154,6 +166,7 @@ class Problem:
     block_size: int
     softmax_scale: float
     causal: bool
+    kv_layout: str = "HND"  # R34
 
     @property
     def num_queries(self) -> int:
@@ -173,11 +186,11 @@ class Problem:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k_cache.shape[1]
+        return self.k_cache.shape[1 if self.kv_layout == "HND" else 2]
 
     @property
     def page_size(self) -> int:
-        return self.k_cache.shape[2]
+        return self.k_cache.shape[2 if self.kv_layout == "HND" else 1]
 
     @property
     def group_size(self) -> int:
@@ -315,7 +328,7 @@ class IndexProblem:
     ----------
     index_q : ndarray float32 [Tq, Hkv, d_idx]
         C-contiguous float32 index queries (any R7 dtype, widened exactly by the validation, R7).
-    index_k_cache : ndarray or DeviceArray [P, Hk_idx, S, d_idx]
+    index_k_cache : ndarray or DeviceArray [P, Hk_idx, S, d_idx] or [P, S, Hk_idx, d_idx]
         Paged index keys, ``Hk_idx`` is 1 (shared by every KV head) or ``Hkv``.
     block_tables : ndarray int32 [B, max_pages]
     cu_seqlens_q : ndarray int32 [B + 1]
@@ -330,6 +343,9 @@ class IndexProblem:
     softmax_scale : float
         Already defaulted to ``1 / sqrt(d_idx)``.
     causal : bool
+    kv_layout : str
+        ``"HND"`` (``index_k_cache`` ``[P, Hk_idx, S, d_idx]``) or ``"NHD"``
+        (``[P, S, Hk_idx, d_idx]``), R34.
     """
 
     index_q: np.ndarray
@@ -342,6 +358,7 @@ class IndexProblem:
     block_size: int
     softmax_scale: float
     causal: bool
+    kv_layout: str = "HND"  # R34
 
     @property
     def num_queries(self) -> int:
@@ -358,7 +375,7 @@ class IndexProblem:
     @property
     def num_index_heads(self) -> int:
         """``Hk_idx``: 1 (one index key head shared by every KV head) or ``Hkv``."""
-        return int(self.index_k_cache.shape[1])
+        return int(self.index_k_cache.shape[1 if self.kv_layout == "HND" else 2])
 
     @property
     def num_pages(self) -> int:
@@ -366,7 +383,7 @@ class IndexProblem:
 
     @property
     def page_size(self) -> int:
-        return int(self.index_k_cache.shape[2])
+        return int(self.index_k_cache.shape[2 if self.kv_layout == "HND" else 1])
 
     @property
     def pages_per_block(self) -> int:

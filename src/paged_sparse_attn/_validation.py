@@ -1,4 +1,4 @@
-"""Input validation: one check per rule, each raising SpecError with the rule id (R1-R8, R17).
+"""Input validation: one check per rule, each raising SpecError with the rule id (R1-R8, R17, R34).
 
 Validation runs once, in the public functions, before any backend or device work. Nothing here
 casts lossily: integer index arrays are converted to int32 only after their values are checked
@@ -27,6 +27,10 @@ __all__ = [
     "check_causal",
     "check_layout",
     "check_capacity",
+    "KV_LAYOUTS",
+    "check_kv_layout",
+    "cache_dims",
+    "check_cache_layout",
     "widen_query",
     "validate_forward",
     "validate_index_inputs",
@@ -176,6 +180,30 @@ def check_causal(causal: Any, fn: str) -> bool:
     return bool(causal)
 
 
+KV_LAYOUTS = ("HND", "NHD")  # R34: [P, Hkv, S, D] (the default) and [P, S, Hkv, D]
+
+
+def check_kv_layout(kv_layout: Any, fn: str) -> str:
+    """R34: ``kv_layout`` is exactly ``"HND"`` or ``"NHD"`` (no case folding, no aliases)."""
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+        raise _fail(fn, f'kv_layout must be "HND" ([P, Hkv, S, D]) or "NHD" ([P, S, Hkv, D]), got {kv_layout!r}', "R34")
+    return kv_layout
+
+
+def cache_dims(shape: tuple, kv_layout: str) -> tuple[int, int, int, int]:
+    """``(P, Hkv, S, D)`` of a 4-D cache shape read in ``kv_layout`` (R34)."""
+    P, a, b, D = (int(x) for x in shape)
+    return (P, a, b, D) if kv_layout == "HND" else (P, b, a, D)
+
+
+def check_cache_layout(x: Any, fn: str, name: str, kv_layout: str) -> None:
+    """R34: a device-resident cache holds its pages in one layout; the call must name that one."""
+    have = getattr(x, "kv_layout", "HND") if isinstance(x, DeviceArray) else kv_layout
+    if have != kv_layout:
+        raise _fail(fn, f"{name} is a device array uploaded with kv_layout={have!r}, the call has "
+                    f"kv_layout={kv_layout!r}; pass kv_layout={have!r}", "R34")
+
+
 def check_capacity(msb: int, block_size: int, fn: str) -> None:
     """R7: KV positions and lengths (up to ``msb * block_size``) are int32 values."""
     if msb * block_size > _I32.max:
@@ -295,21 +323,28 @@ def validate_forward(
     block_size: Any,
     softmax_scale: Any,
     causal: Any,
+    kv_layout: Any = "HND",
 ) -> Problem:
-    """Validate every input of ``forward`` (R1-R8) and return a ``Problem``."""
+    """Validate every input of ``forward`` (R1-R8, R34) and return a ``Problem``."""
+    kv_layout = check_kv_layout(kv_layout, fn)
     q = check_float_array(q, fn, "q", 3)
     k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
     v_cache = check_float_array(v_cache, fn, "v_cache", 4, allow_device=True)
+    check_cache_layout(k_cache, fn, "k_cache", kv_layout)
+    check_cache_layout(v_cache, fn, "v_cache", kv_layout)
     if tuple(k_cache.shape) != tuple(v_cache.shape):
         raise _fail(fn, f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}", "R1")
     if np.dtype(k_cache.dtype) != np.dtype(v_cache.dtype):
         raise _fail(fn, f"k_cache and v_cache must have the same dtype, got {np.dtype(k_cache.dtype).name} and {np.dtype(v_cache.dtype).name}", "R1")
     Tq, Hq, D = q.shape
-    P, Hkv, S, Dk = k_cache.shape
+    P, Hkv, S, Dk = cache_dims(k_cache.shape, kv_layout)
+    h_ax, s_ax = (1, 2) if kv_layout == "HND" else (2, 1)
     if Hkv < 1:
-        raise _fail(fn, f"k_cache must have at least one KV head, got shape {tuple(k_cache.shape)}", "R1")
+        raise _fail(fn, f"k_cache must have at least one KV head (axis {h_ax}, kv_layout={kv_layout!r}), "
+                    f"got shape {tuple(k_cache.shape)}", "R1")
     if S < 1:
-        raise _fail(fn, f"k_cache page size (axis 2) must be >= 1, got shape {tuple(k_cache.shape)}", "R1")
+        raise _fail(fn, f"k_cache page size (axis {s_ax}, kv_layout={kv_layout!r}) must be >= 1, got shape "
+                    f"{tuple(k_cache.shape)}", "R1")
     if D < 1 or Dk != D:
         raise _fail(fn, f"q head_dim {D} and k_cache head_dim {Dk} must be equal and >= 1", "R1")
     if Hq < 1 or Hq % Hkv:
@@ -320,7 +355,7 @@ def validate_forward(
     )
     scale = check_softmax_scale(softmax_scale, D, fn)
     causal = check_causal(causal, fn)
-    return Problem(widen_query(q), k_cache, v_cache, bt, sel, cu, lens, bs, scale, causal)
+    return Problem(widen_query(q), k_cache, v_cache, bt, sel, cu, lens, bs, scale, causal, kv_layout)
 
 
 def validate_index_inputs(

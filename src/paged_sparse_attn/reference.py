@@ -60,7 +60,7 @@ def float32_scores(z: np.ndarray) -> np.ndarray:
 
 
 def dense_reference(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens=None,
-                    block_size, softmax_scale=None, causal=False) -> tuple[np.ndarray, np.ndarray]:
+                    block_size, softmax_scale=None, causal=False, kv_layout="HND") -> tuple[np.ndarray, np.ndarray]:
     """Attention over exactly the attended sets of R9, in float64 (the oracle).
 
     Same arguments as [`forward`][paged_sparse_attn.forward]; validated the same way (R17).
@@ -75,8 +75,9 @@ def dense_reference(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *
     """
     p = validate_forward("dense_reference", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
-                         causal=causal)
+                         causal=causal, kv_layout=kv_layout)
     kc, vc = np.asarray(p.k_cache), np.asarray(p.v_cache)
+    nhd = p.kv_layout == "NHD"
     Tq, Hq, D = p.q.shape
     Hkv, S, G = p.num_kv_heads, p.page_size, p.group_size
     out = np.zeros((Tq, Hq, D))
@@ -92,8 +93,10 @@ def dense_reference(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *
                 if not pos:
                     continue  # empty set: out = 0, lse = -inf (R11)
                 pages = p.block_tables[b][[x // S for x in pos]]
-                k = kc[pages, h, [x % S for x in pos]].astype(np.float64)  # [n, D]
-                v = vc[pages, h, [x % S for x in pos]].astype(np.float64)
+                offs = [x % S for x in pos]
+                # R34: the key of (page, offset, head) is [page, h, offset] in HND, [page, offset, h] in NHD
+                k = (kc[pages, offs, h] if nhd else kc[pages, h, offs]).astype(np.float64)  # [n, D]
+                v = (vc[pages, offs, h] if nhd else vc[pages, h, offs]).astype(np.float64)
                 for g in range(G):
                     hq = h * G + g  # query head hq reads KV head hq // G (R1)
                     with np.errstate(invalid="ignore"):  # inf * 0 in non-finite data: NaN (R26)

@@ -49,6 +49,7 @@ class NumpyBackend(Backend):
             deterministic=True,
             batch_invariant=True,
             index_branch=True,
+            kv_layouts=("HND", "NHD"),
             device="cpu (numpy)",
         )
 
@@ -63,7 +64,8 @@ class NumpyBackend(Backend):
 
     def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
         self._check_host(problem)
-        return kvouter_partials(problem.q, problem.k_cache, problem.v_cache, index, problem.softmax_scale)[0]
+        k, v = hnd_views(problem)
+        return kvouter_partials(problem.q, k, v, index, problem.softmax_scale)[0]
 
     def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
         """Partials then combine, without scattering o into edge order: each chunk's P @ V
@@ -71,8 +73,8 @@ class NumpyBackend(Backend):
         if type(self).forward_partials is not NumpyBackend.forward_partials:
             return super().forward(problem, index)  # a subclass's partials must be the ones used
         self._check_host(problem)
-        parts, o_row = kvouter_partials(problem.q, problem.k_cache, problem.v_cache, index,
-                                        problem.softmax_scale, padded=True)
+        k, v = hnd_views(problem)
+        parts, o_row = kvouter_partials(problem.q, k, v, index, problem.softmax_scale, padded=True)
         from .._combine import combine_partials_numpy
 
         return combine_partials_numpy(parts, index, o_row=o_row)
@@ -87,6 +89,17 @@ class NumpyBackend(Backend):
         from .numpy_index import select_topk_numpy
 
         return select_topk_numpy(problem)
+
+
+def hnd_view(cache: np.ndarray, kv_layout: str) -> np.ndarray:
+    """``cache`` indexed as ``[P, Hkv, S, D]`` whatever its page layout (R34): for ``"NHD"`` a
+    transposed *view* of the caller's memory (strides swapped, nothing copied). The gathers read
+    the same elements either way, so every later float operation and its result are the same."""
+    return cache if kv_layout == "HND" else cache.transpose(0, 2, 1, 3)
+
+
+def hnd_views(problem: Problem) -> tuple[np.ndarray, np.ndarray]:
+    return hnd_view(problem.k_cache, problem.kv_layout), hnd_view(problem.v_cache, problem.kv_layout)
 
 
 def _chunks(counts: np.ndarray, G: int, BS: int, D: int) -> list[tuple[int, np.ndarray]]:

@@ -41,6 +41,8 @@ def block_scores_numpy(problem: IndexProblem) -> np.ndarray:
         raise UnsupportedError(
             "backend 'numpy' cannot read a device-resident index_k_cache; pass a numpy array or use "
             f"the backend that holds it ({ik.backend!r}) [R18]")
+    if problem.kv_layout == "NHD":  # R34: a view [P, Hk_idx, S, d_idx] of the same memory, no copy
+        ik = ik.transpose(0, 2, 1, 3)
     Tq, Hkv, d = problem.index_q.shape
     BS, S, ppb, msb = problem.block_size, problem.page_size, problem.pages_per_block, problem.msb
     out = np.full((Tq, Hkv, msb), -np.inf, dtype=np.float32)

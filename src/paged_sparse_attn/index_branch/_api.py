@@ -13,7 +13,7 @@ from .._types import DeviceArray
 from .._index import build_index_arrays
 from .._outputs import backend_label, checked_out_lse, checked_scores, checked_selection
 
-from .._validation import check_float_array, validate_forward
+from .._validation import cache_dims, check_cache_layout, check_float_array, check_kv_layout, validate_forward
 from ..backends.base import Backend
 from ..errors import UnsupportedError
 from ..registry import resolve_backend
@@ -35,20 +35,21 @@ def _index_checks(backend: Backend, fn: str, p: IndexProblem) -> None:
     dev = check_owner(backend, fn, p.index_k_cache)
     check_capabilities(backend, fn, dtypes=(np.dtype(p.index_k_cache.dtype),),  # queries are widened exactly
                        head_dim=p.index_dim, page_size=p.page_size, block_size=p.block_size,
-                       device_arrays=dev)
+                       device_arrays=dev, kv_layout=p.kv_layout)
 
 
 def block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size,
-                 softmax_scale=None, causal=True, backend=None) -> np.ndarray:
+                 softmax_scale=None, causal=True, kv_layout="HND", backend=None) -> np.ndarray:
     """Score every block for every (query, KV head): the max of its visible index logits (R22).
 
     Parameters
     ----------
     index_q : array [Tq, Hkv, d_idx], float32 or float16
         One index query per query and KV head.
-    index_k_cache : array [P, Hk_idx, S, d_idx], float32 or float16
-        Index keys, paged like ``k_cache`` (same ``block_tables``); ``Hk_idx`` is 1 (one index key
-        head shared by every KV head, as in MSA) or ``Hkv``. May be a device array of the backend.
+    index_k_cache : array [P, Hk_idx, S, d_idx] (or [P, S, Hk_idx, d_idx] with ``kv_layout="NHD"``)
+        Index keys, float32 or float16, paged like ``k_cache`` (same ``block_tables``); ``Hk_idx``
+        is 1 (one index key head shared by every KV head, as in MSA) or ``Hkv``. May be a device
+        array of the backend.
     block_tables : int array [B, max_pages]
         Physical page of each logical page, -1 = unmapped (R2).
     cu_seqlens_q : int array [B + 1]
@@ -61,6 +62,8 @@ def block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_len
         Multiplies every index logit; default ``1 / sqrt(d_idx)``.
     causal : bool
         Right-aligned causal visibility, as in R9. Default True, unlike ``forward()`` (R8).
+    kv_layout : {"HND", "NHD"}
+        Page layout of ``index_k_cache`` (R34).
     backend : str, Backend or None
 
     Returns
@@ -73,13 +76,14 @@ def block_scores(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_len
     Raises
     ------
     SpecError
-        An input violates R21 (or R2-R5, R7, R8), before any backend work.
+        An input violates R21 (or R2-R5, R7, R8, R34), before any backend work.
     UnsupportedError
         The backend does not implement the index branch or cannot run this problem (R18).
     """
     fn = "block_scores"
     p = validate_block_scores(fn, index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens,
-                              block_size=block_size, softmax_scale=softmax_scale, causal=causal)
+                              block_size=block_size, softmax_scale=softmax_scale, causal=causal,
+                              kv_layout=kv_layout)
     be = resolve_backend(backend, p.index_k_cache)
     _index_checks(be, fn, p)
     return checked_scores(be, fn, be.block_scores(p), (p.num_queries, p.num_kv_heads, p.msb))
@@ -127,26 +131,30 @@ def select_topk(scores, topk, *, force_local=True, cu_seqlens_q=None, used_kv_le
 
 
 def _sparse_planned(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q, *, used_kv_lens,
-                    block_size, topk, causal, softmax_scale, backend, return_lse):
+                    block_size, topk, causal, softmax_scale, kv_layout, backend, return_lse):
     """``sparse_attention()`` with device-resident ``q`` or ``index_q`` (R30): through a cached plan."""
     fn = "sparse_attention"
+    kv_layout = check_kv_layout(kv_layout, fn)
     qq = check_float_array(q, fn, "q", 3, allow_device=True)
     k = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
     iq = check_float_array(index_q, fn, "index_q", 3, allow_device=True)
     ik = check_float_array(index_k_cache, fn, "index_k_cache", 4, allow_device=True)
+    for x, name in ((k, "k_cache"), (ik, "index_k_cache")):
+        check_cache_layout(x, fn, name, kv_layout)
     Tq, Hq, D = qq.shape
-    Hkv = k.shape[1]
-    lay = validate_layout(fn, block_tables, cu_seqlens_q, used_kv_lens, block_size=block_size, page_size=k.shape[2],
+    _, Hkv, S, _ = cache_dims(k.shape, kv_layout)
+    _, Hk, _, d_idx = cache_dims(ik.shape, kv_layout)
+    lay = validate_layout(fn, block_tables, cu_seqlens_q, used_kv_lens, block_size=block_size, page_size=S,
                           num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, kv_dtype=k.dtype,
                           topk=check_topk(topk, fn, force_local=True), causal=causal, softmax_scale=softmax_scale,
-                          index_dim=ik.shape[3], num_index_heads=ik.shape[1], index_dtype=ik.dtype)
+                          index_dim=d_idx, num_index_heads=Hk, index_dtype=ik.dtype, kv_layout=kv_layout)
     be = resolve_backend(backend, qq, k, v_cache, iq, ik)
     return cached_plan(lay, be).run_sparse(qq, k, v_cache, iq, ik, return_lse=return_lse)
 
 
 def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q, *,
-                     used_kv_lens=None, block_size, topk, causal=True, softmax_scale=None, backend=None,
-                     return_lse=False):
+                     used_kv_lens=None, block_size, topk, causal=True, softmax_scale=None, kv_layout="HND",
+                     backend=None, return_lse=False):
     """MSA end to end: block scores -> top-k with the local block -> block-sparse attention (R25).
 
     Equivalent to::
@@ -164,10 +172,11 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     Parameters
     ----------
     q : array [Tq, Hq, D]
-    k_cache, v_cache : array [P, Hkv, S, D]
+    k_cache, v_cache : array [P, Hkv, S, D] (or [P, S, Hkv, D] with ``kv_layout="NHD"``)
     index_q : array [Tq, Hkv, d_idx]
-    index_k_cache : array [P, Hk_idx, S, d_idx]
-        Paged like ``k_cache``: same ``P`` and page size ``S``; ``Hk_idx`` is 1 or ``Hkv``.
+    index_k_cache : array [P, Hk_idx, S, d_idx] (or [P, S, Hk_idx, d_idx] with ``kv_layout="NHD"``)
+        Paged like ``k_cache``: same ``P``, page size ``S`` and page layout; ``Hk_idx`` is 1 or
+        ``Hkv``.
     block_tables, cu_seqlens_q, used_kv_lens, block_size
         As in [`forward`][paged_sparse_attn.forward].
     topk : int
@@ -176,6 +185,8 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
         Used by both the block scores and the attention. Default True, unlike ``forward()`` (R8).
     softmax_scale : float, optional
         The attention's scale (default ``1 / sqrt(D)``); the block scores use ``1 / sqrt(d_idx)``.
+    kv_layout : {"HND", "NHD"}
+        Page layout of ``k_cache``, ``v_cache`` and ``index_k_cache`` (R34).
     backend : str, Backend or None
     return_lse : bool
 
@@ -189,20 +200,22 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     if isinstance(q, DeviceArray) or isinstance(index_q, DeviceArray):  # R30: results stay on the device
         return _sparse_planned(q, k_cache, v_cache, index_q, index_k_cache, block_tables, cu_seqlens_q,
                                used_kv_lens=used_kv_lens, block_size=block_size, topk=topk, causal=causal,
-                               softmax_scale=softmax_scale, backend=backend, return_lse=return_lse)
+                               softmax_scale=softmax_scale, kv_layout=kv_layout, backend=backend,
+                               return_lse=return_lse)
+    kvl = check_kv_layout(kv_layout, fn)
     q_ = check_float_array(q, fn, "q", 3)
     k_ = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
-    placeholder = np.zeros((q_.shape[0], k_.shape[1], 0), np.int32)  # selection comes later
+    placeholder = np.zeros((q_.shape[0], cache_dims(k_.shape, kvl)[1], 0), np.int32)  # selection comes later
     p = validate_forward(fn, q_, k_, v_cache, block_tables, placeholder, cu_seqlens_q,
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
-                         causal=causal)
+                         causal=causal, kv_layout=kvl)
     ip = validate_block_scores(fn, index_q, index_k_cache, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
                                block_size=p.block_size, softmax_scale=None, causal=p.causal, like=p)
     k = check_topk(topk, fn, force_local=True)
     be = resolve_backend(backend, p.k_cache, p.v_cache, ip.index_k_cache)
     dev = check_owner(be, fn, p.k_cache, p.v_cache)
     check_capabilities(be, fn, dtypes=(p.cache_dtype,), head_dim=p.head_dim,
-                       page_size=p.page_size, block_size=p.block_size, device_arrays=dev)
+                       page_size=p.page_size, block_size=p.block_size, device_arrays=dev, kv_layout=p.kv_layout)
     _index_checks(be, fn, ip)
 
     if be.plans_forward(p) and isinstance(ip.index_k_cache, DeviceArray):  # one submission per layer (R32)

@@ -24,6 +24,9 @@ from .._validation import (
     check_causal,
     check_float_array,
     check_int_array,
+    cache_dims,
+    check_cache_layout,
+    check_kv_layout,
     check_layout,
     check_softmax_scale,
     widen_query,
@@ -50,25 +53,29 @@ def check_cross_shapes(fn: str, index_q: Any, index_k_cache: Any, problem: Probl
         raise _fail(fn, f"index_q must have shape [Tq={Tq}, Hkv={Hkv}, d_idx] like q and k_cache, "
                     f"got {tuple(index_q.shape)}", "R25")
     P, S = problem.num_pages, problem.page_size
-    if (index_k_cache.shape[0], index_k_cache.shape[2]) != (P, S):
-        raise _fail(fn, f"index_k_cache must be paged like k_cache, [P={P}, Hk_idx, S={S}, d_idx], "
-                    f"got {tuple(index_k_cache.shape)}", "R25")
+    Pi, _, Si, _ = cache_dims(index_k_cache.shape, problem.kv_layout)
+    if (Pi, Si) != (P, S):
+        want = f"[P={P}, Hk_idx, S={S}, d_idx]" if problem.kv_layout == "HND" else f"[P={P}, S={S}, Hk_idx, d_idx]"
+        raise _fail(fn, f"index_k_cache must be paged like k_cache, {want}, got {tuple(index_k_cache.shape)}", "R25")
 
 
 def validate_block_scores(fn: str, index_q: Any, index_k_cache: Any, block_tables: Any, cu_seqlens_q: Any,
                           used_kv_lens: Any, *, block_size: Any, softmax_scale: Any, causal: Any,
-                          like: Problem | None = None) -> IndexProblem:
+                          like: Problem | None = None, kv_layout: Any = "HND") -> IndexProblem:
     """Validate the inputs of ``block_scores`` (R21, and R2-R5/R7/R8 for the shared arguments).
 
     ``like`` is the validated forward problem of ``sparse_attention``: the index arrays are then
     also checked against it (R25) before anything else about them.
     """
+    kv_layout = check_kv_layout(like.kv_layout if like is not None else kv_layout, fn)
     iq = _float_array(index_q, fn, "index_q", 3, "[Tq, Hkv, d_idx]", allow_device=False)
-    ik = _float_array(index_k_cache, fn, "index_k_cache", 4, "[P, Hk_idx, S, d_idx]", allow_device=True)
+    ik = _float_array(index_k_cache, fn, "index_k_cache", 4,
+                      "[P, Hk_idx, S, d_idx]" if kv_layout == "HND" else "[P, S, Hk_idx, d_idx]", allow_device=True)
+    check_cache_layout(ik, fn, "index_k_cache", kv_layout)
     if like is not None:
         check_cross_shapes(fn, iq, ik, like)
     Tq, Hkv, d = iq.shape
-    P, Hk, S, dk = ik.shape
+    P, Hk, S, dk = cache_dims(ik.shape, kv_layout)
     if Hkv < 1:
         raise _fail(fn, f"index_q must have at least one KV head, got shape {tuple(iq.shape)}", "R21")
     if d < 1 or dk != d:
@@ -76,7 +83,8 @@ def validate_block_scores(fn: str, index_q: Any, index_k_cache: Any, block_table
     if Hk not in (1, Hkv):
         raise _fail(fn, f"index_k_cache must have Hk_idx = 1 or Hkv={Hkv} index key heads, got {Hk}", "R21")
     if S < 1:
-        raise _fail(fn, f"index_k_cache page size (axis 2) must be >= 1, got shape {tuple(ik.shape)}", "R21")
+        raise _fail(fn, f"index_k_cache page size (axis {2 if kv_layout == 'HND' else 1}, kv_layout={kv_layout!r}) "
+                    f"must be >= 1, got shape {tuple(ik.shape)}", "R21")
     # spec: R21 -- paged like k_cache: the layout rules R2-R5 apply unchanged
     bt, cu, lens, _, bs = check_layout(
         fn, block_tables, cu_seqlens_q, used_kv_lens, np.zeros((Tq, Hkv, 0), np.int32),
@@ -89,7 +97,7 @@ def validate_block_scores(fn: str, index_q: Any, index_k_cache: Any, block_table
         index_q=widen_query(iq), index_k_cache=ik, block_tables=bt, cu_seqlens_q=cu, used_kv_lens=lens,
         query_seq=np.ascontiguousarray(seq, dtype=np.int32),
         query_end=np.ascontiguousarray(end, dtype=np.int32),
-        block_size=bs, softmax_scale=scale, causal=c,
+        block_size=bs, softmax_scale=scale, causal=c, kv_layout=kv_layout,
     )
 
 

@@ -33,7 +33,7 @@ def visible_positions(block_table_row, s: int, L: int, T: int, i: int, *, block_
 
 
 def block_scores_reference(index_q, index_k_cache, block_tables, cu_seqlens_q, used_kv_lens=None, *,
-                           block_size, softmax_scale=None, causal=True) -> np.ndarray:
+                           block_size, softmax_scale=None, causal=True, kv_layout="HND") -> np.ndarray:
     """Block scores of R22 with plain loops, in float64.
 
     Same arguments as ``block_scores`` (validated the same way).
@@ -43,8 +43,10 @@ def block_scores_reference(index_q, index_k_cache, block_tables, cu_seqlens_q, u
     ndarray float64 [Tq, Hkv, msb]
     """
     p = validate_block_scores("block_scores_reference", index_q, index_k_cache, block_tables, cu_seqlens_q,
-                              used_kv_lens, block_size=block_size, softmax_scale=softmax_scale, causal=causal)
+                              used_kv_lens, block_size=block_size, softmax_scale=softmax_scale, causal=causal,
+                              kv_layout=kv_layout)
     ik = np.asarray(p.index_k_cache).astype(np.float64)
+    nhd = p.kv_layout == "NHD"
     iq = p.index_q.astype(np.float64)
     S, Hk = p.page_size, p.num_index_heads
     out = np.full((p.num_queries, p.num_kv_heads, p.msb), -np.inf)
@@ -61,7 +63,8 @@ def block_scores_reference(index_q, index_k_cache, block_tables, cu_seqlens_q, u
                     if not pos:
                         continue  # no visible position: -inf
                     pages = p.block_tables[b][[x // S for x in pos]]
-                    k = ik[pages, hk, [x % S for x in pos]]  # [n, d_idx]
+                    offs = [x % S for x in pos]
+                    k = ik[pages, offs, hk] if nhd else ik[pages, hk, offs]  # [n, d_idx] (R34)
                     with np.errstate(invalid="ignore"):  # inf * 0 in non-finite keys: NaN
                         logits = float32_scores(p.softmax_scale * (k @ iq[t, h]))  # overflow: +-inf
                     out[t, h, s] = math.nan if np.isnan(logits).any() else logits.max()
