@@ -23,7 +23,8 @@
 //   1 iq      storage, read        vec4<f32> [n_q, Hkv, DV]  index queries of the batch (zero-padded
 //                                  to DV = ceil(d_idx / 4) vec4s per row)
 //   2 ik      storage, read        vec4<kv_t> [n_slabs_in_chunk, S, DV]  index keys of one chunk;
-//                                  a slab is one (page, index key head): S rows of DV vec4s
+//                                  a slab is one (page, index key head): S rows of DV vec4s; with
+//                                  RH > 1 (NHD, R34) whole pages [n_pages, S, RH, DV]
 //   3 pages   storage, read        u32 [B, msb, Hk_idx, ppb]  device slab of each page of each
 //                                  block (numbered across chunks), or INVALID (unmapped, or
 //                                  starting at or past L_b: never uploaded)
@@ -65,6 +66,7 @@ alias kv_t = f32;
 
 override DV: u32;
 override S: u32;
+override RH: u32 = 1u;               // index key heads interleaved per page row: 1 (HND) or Hk_idx (NHD, R34)
 override BS: u32;
 override DCV: u32 = 8u;
 override RT: u32 = 64u;             // rows per item: a power of two, 8 .. 64
@@ -139,6 +141,13 @@ fn quad_max(best: u32, a: vec4<f32>, p0: u32, base: u32, qend: i32) -> u32 {
                max(vis_key(a.z, p0 + 2u, base, qend), vis_key(a.w, p0 + 3u, base, qend)));
 }
 
+// Row of offset `off` of slab `slab` of the bound chunk (R34): HND (RH = 1) slab * S + off; NHD
+// the page's row off * RH + head, with page slab / RH and head slab % RH.
+fn ik_row(slab: u32, off: u32) -> u32 {
+    let page = slab / RH;
+    return (page * S + off) * RH + (slab - page * RH);
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let item = wid.y * params.grid_x + wid.x;
@@ -188,7 +197,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 if (lpos < npos && j0 + j < DV) {
                     let slab = pages[pg + lpos / S];  // INVALID is >= every chunk_end
                     if (slab >= params.chunk_first && slab < params.chunk_end) {
-                        v = vec4<f32>(ik[((slab - params.chunk_first) * S + lpos % S) * DV + j0 + j]);
+                        v = vec4<f32>(ik[ik_row(slab - params.chunk_first, lpos % S) * DV + j0 + j]);
                         ok = 1u;
                     }
                 }

@@ -22,6 +22,7 @@ alias kv_t = f32;
 
 override DV: u32;
 override S: u32;
+override RH: u32 = 1u;               // index key heads interleaved per page row: 1 (HND) or Hk_idx (NHD, R34)
 override BS: u32;
 override WG: u32 = 128u;
 override NR: u32 = 8u;
@@ -73,6 +74,13 @@ fn upd(best: u32, a: f32, r: u32, pos: i32, r0: u32, n_rows: u32, t0: u32, nh: u
     return select(best, max(best, logit_key(params.scale * a)), pos < qend);
 }
 
+// Row of offset `off` of slab `slab` of the bound chunk (R34): HND (RH = 1) slab * S + off; NHD
+// the page's row off * RH + head, with page slab / RH and head slab % RH.
+fn ik_row(slab: u32, off: u32) -> u32 {
+    let page = slab / RH;
+    return (page * S + off) * RH + (slab - page * RH);
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let item = wid.y * params.grid_x + wid.x;
@@ -116,7 +124,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             slab = pages[pg + p / S];
         }
         if (slab >= params.chunk_first && slab < params.chunk_end) {
-            let kb = ((slab - params.chunk_first) * S + p % S) * DV;
+            let kb = ik_row(slab - params.chunk_first, p % S) * DV;
             var a0 = 0.0; var a1 = 0.0; var a2 = 0.0; var a3 = 0.0;
             var a4 = 0.0; var a5 = 0.0; var a6 = 0.0; var a7 = 0.0;
             for (var j = 0u; j < DV; j++) {

@@ -18,7 +18,9 @@
 //                                  (query t, KV head h), i.e. q[t, h*G:(h+1)*G, :]
 //   2 k_cache storage, read        vec4<kv_t> [n_slabs_in_chunk, S, D4 / 4]  K pages of one chunk;
 //                                  a slab is one (page, KV head): S rows of D4 = 4 * ceil(D / 4)
-//                                  elements (a row's padding is never used)
+//                                  elements (a row's padding is never used). With RH > 1 (an NHD
+//                                  cache, R34) the chunk holds whole pages [n_pages, S, RH, D4 / 4]:
+//                                  slab n is head n % RH of page n / RH, its rows RH rows apart
 //   3 v_cache storage, read        vec4<kv_t>, same layout as k_cache
 //   4 plan    storage, read        u32: work-item records, edge records and page lists
 //   5 o_out   storage, read_write  f32 [n_prows, D]  unnormalised o of every partial row
@@ -48,6 +50,7 @@
 //
 // Override constants
 //   D     head dim                  S     page size
+//   RH    KV heads whose rows a page interleaves: 1 (HND, the default) or Hkv (NHD, R34)
 //   TK    keys per tile             RMAX  rows per work item (RMAX <= 4 * TR)
 //   WG    workgroup size            KS    row stride of the K tile (D padded to an odd number)
 //   TD    = ceil(D / 4): vec4s per cache row; in the P·V phase invocation (tr, td) owns dims
@@ -66,6 +69,7 @@ alias kv_t = f32;
 
 override D: u32;
 override S: u32;
+override RH: u32 = 1u;
 override TK: u32;
 override RMAX: u32;
 override WG: u32 = 64u;
@@ -147,7 +151,10 @@ fn key_row(pages: u32, pos: u32) -> u32 {
     if (slab == INVALID) {
         return INVALID;
     }
-    return slab * params.slab_stride + (pos % S) * TD;
+    // R34: HND (RH = 1) slab * slab_stride + off * TD; NHD the page's row off * RH + head, with
+    // page slab / RH and head slab % RH (RH = 1 gives the HND expression)
+    let page = slab / RH;
+    return page * RH * params.slab_stride + ((pos % S) * RH + (slab - page * RH)) * TD;
 }
 
 struct KV {

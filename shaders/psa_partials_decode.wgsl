@@ -16,7 +16,8 @@
 // Bindings (group 0)
 //   0 params  uniform              Params (psa_partials.wgsl)
 //   1 q       storage, read        f32 [n_qrows, G, D]
-//   2 k_cache storage, read        vec4<u32> [n_slabs_in_chunk, S, TE]  K slabs of one chunk
+//   2 k_cache storage, read        vec4<u32> [n_slabs_in_chunk, S, TE]  K slabs of one chunk (with
+//                                  RH > 1, an NHD cache: whole pages [n_pages, S, RH, TE], R34)
 //   3 v_cache storage, read        vec4<u32>, same layout as k_cache
 //   4 plan    storage, read        u32 (psa_partials.wgsl)
 //   5 o_out   storage, read_write  f32 [n_prows, D]
@@ -57,6 +58,7 @@
 
 override D: u32;
 override S: u32;
+override RH: u32 = 1u;                             // KV heads interleaved per page row: 1 (HND) or Hkv (NHD, R34)
 override NG: u32;
 override WG: u32 = 32u;
 override TD: u32;
@@ -131,7 +133,9 @@ fn locate(pages: u32, pos: u32, len: u32) -> u32 {
 
 // unit index of block position `pos` on slab `slab`
 fn row_of(slab: u32, pos: u32) -> u32 {
-    return slab * (params.slab_stride * 4u / EU) + (pos % S) * TE;
+    // R34: HND (RH = 1) slab * slab units + off * TE; NHD row off * RH + head of page slab / RH
+    let page = slab / RH;
+    return page * RH * (params.slab_stride * 4u / EU) + ((pos % S) * RH + (slab - page * RH)) * TE;
 }
 
 // rows of block positions k0 .. k0 + 3 (INVALID past len or on an unreadable page). With the page

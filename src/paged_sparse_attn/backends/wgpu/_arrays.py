@@ -24,6 +24,13 @@ class CacheLayout:
     A slab is one (page, KV head): S rows of ``row_elems = 4 * ceil(D / 4)`` elements (a row is
     padded to whole vec4s; the padding is never used), ``slab_stride = S * row_elems`` elements.
     Chunk c holds device slabs ``chunk_starts[c]:chunk_starts[c+1]``, one buffer each.
+
+    ``shape`` is the logical ``(P, Hkv, S, D)`` whatever the page layout. ``rh`` is the number of
+    KV heads whose rows a page interleaves (R34): 1 for ``"HND"`` (a slab's S rows are
+    contiguous), ``Hkv`` for ``"NHD"`` (row ``pos`` of head h of a page is the page's row
+    ``pos * Hkv + h``). A buffer holds the caller's pages byte for byte in either layout (rows
+    padded as above); with ``rh > 1`` chunks and compact uploads are whole pages, so device slab
+    ``n`` is head ``n % rh`` of the chunk's page ``n // rh`` and the slab numbering is unchanged.
     """
 
     shape: tuple[int, int, int, int]
@@ -31,6 +38,23 @@ class CacheLayout:
     slab_stride: int
     chunk_starts: np.ndarray
     slab_ids: np.ndarray | None = None  # global slab ids held (compact upload), None = all
+    rh: int = 1  # KV heads interleaved in a page's rows: 1 (HND) or Hkv (NHD), R34
+    nhd: bool = False  # the page layout the buffers hold (R34); rh > 1 only with Hkv > 1
+
+    @property
+    def kv_layout(self) -> str:
+        return "NHD" if self.nhd else "HND"
+
+    @property
+    def physical_shape(self) -> tuple[int, int, int, int]:
+        """The shape of the host array these buffers mirror: [P, Hkv, S, D] or [P, S, Hkv, D]."""
+        P, H, S, D = self.shape
+        return (P, S, H, D) if self.nhd else (P, H, S, D)
+
+    def kernel_constants(self) -> dict[str, int]:
+        """Override constants of the kernels that read this cache: ``RH`` when it is not 1 (an
+        HND cache, or an NHD cache of one KV head, gets the pipelines it always had)."""
+        return {"RH": self.rh} if self.rh != 1 else {}
 
     @property
     def itemsize(self) -> int:
@@ -76,24 +100,39 @@ class CacheLayout:
 
     def same_as(self, other: CacheLayout) -> bool:
         return (self.shape == other.shape and np.dtype(self.dtype) == np.dtype(other.dtype)
-                and self.slab_stride == other.slab_stride
+                and self.slab_stride == other.slab_stride and self.rh == other.rh and self.nhd == other.nhd
                 and np.array_equal(self.chunk_starts, other.chunk_starts)
                 and ((self.slab_ids is None and other.slab_ids is None)
                      or (self.slab_ids is not None and other.slab_ids is not None
                          and np.array_equal(self.slab_ids, other.slab_ids))))
 
     @staticmethod
-    def make(shape, dtype, binding_size: int, slab_ids: np.ndarray | None = None) -> CacheLayout:
+    def make(shape, dtype, binding_size: int, slab_ids: np.ndarray | None = None,
+             kv_layout: str = "HND") -> CacheLayout:
+        """The layout of a cache of logical ``shape`` ``(P, Hkv, S, D)`` in ``kv_layout`` (R34).
+
+        ``slab_ids``: sorted global slab ids to hold (a compact upload); in an NHD cache of several
+        KV heads they are widened to whole pages (the heads of a page share its rows).
+        """
         P, Hkv, S, D = (int(x) for x in shape)
         dt = np.dtype(dtype)
         stride = S * (-(-D // 4) * 4)
+        nhd = kv_layout == "NHD"
+        rh = Hkv if nhd else 1
+        if slab_ids is not None and rh > 1:
+            pages = np.unique(np.asarray(slab_ids, dtype=np.int64) // rh)
+            slab_ids = (pages[:, None] * rh + np.arange(rh, dtype=np.int64)).reshape(-1)
         n = P * Hkv if slab_ids is None else int(slab_ids.shape[0])
-        starts = chunk_starts_for(n, stride * dt.itemsize, binding_size)
-        return CacheLayout((P, Hkv, S, D), dt, stride, starts, slab_ids)
+        starts = chunk_starts_for(n, stride * dt.itemsize, binding_size, unit=rh)
+        return CacheLayout((P, Hkv, S, D), dt, stride, starts, slab_ids, rh, nhd)
 
 
 def _slab_rows(arr: np.ndarray, layout: CacheLayout, lo: int, hi: int) -> np.ndarray:
-    """Device slabs lo:hi of host cache ``arr`` as a [hi-lo, slab_stride] array in the device dtype."""
+    """Device slabs lo:hi of host cache ``arr`` as a [hi-lo, slab_stride] array in the device dtype.
+
+    ``arr`` is in the layout's page layout. Its memory is read as runs of S rows: in an NHD cache
+    the runs of a page are not its heads' slabs, but the page-aligned slab ranges the layout holds
+    take a page's runs together, so the bytes are the caller's pages as they are (R34)."""
     P, Hkv, S, D = layout.shape
     flat = arr.reshape(P * Hkv, S * D)
     if layout.slab_ids is None:
@@ -130,7 +169,9 @@ class WgpuArray(DeviceArray):
     Attributes
     ----------
     shape : tuple of int
-        ``(P, Hkv, S, D)``.
+        ``(P, Hkv, S, D)``, or ``(P, S, Hkv, D)`` for an ``"NHD"`` cache.
+    kv_layout : str
+        ``"HND"`` or ``"NHD"``: the page layout it was uploaded in (R34).
     dtype : numpy.dtype
         float32 or float16.
     backend : WgpuBackend
@@ -140,7 +181,8 @@ class WgpuArray(DeviceArray):
     def __init__(self, backend: Any, layout: CacheLayout, buffers: list, generation: int, label: str):
         self.backend = backend
         self.layout = layout
-        self.shape = layout.shape
+        self.shape = layout.physical_shape
+        self.kv_layout = layout.kv_layout
         self.dtype = np.dtype(layout.dtype)
         self._buffers = buffers
         self._generation = generation
@@ -174,15 +216,16 @@ class WgpuArray(DeviceArray):
         return self._buffers
 
     def to_numpy(self) -> np.ndarray:
-        """Copy the cache back to the host, ``[P, Hkv, S, D]``."""
+        """Copy the cache back to the host, ``[P, Hkv, S, D]`` (``[P, S, Hkv, D]`` if NHD)."""
         return self.backend._read_cache(self)
 
     def numpy(self) -> np.ndarray:
-        """Copy the cache back to the host, ``[P, Hkv, S, D]`` (as :meth:`to_numpy`)."""
+        """Copy the cache back to the host, in its layout (as :meth:`to_numpy`)."""
         return self.to_numpy()
 
     def write_pages(self, page_ids, pages) -> None:
-        """Overwrite whole pages: ``pages[i]`` ([Hkv, S, D]) goes to physical page ``page_ids[i]``."""
+        """Overwrite whole pages: ``pages[i]`` ([Hkv, S, D], or [S, Hkv, D] if NHD) goes to physical
+        page ``page_ids[i]``."""
         self.backend._write_pages(self, page_ids, pages)
 
     def release(self) -> None:

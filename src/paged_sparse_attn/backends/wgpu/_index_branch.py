@@ -155,8 +155,10 @@ class IndexBranchMixin:
 
     # --- public --------------------------------------------------------------------------------
 
-    def upload_index_cache(self, index_k_cache) -> WgpuArray:
+    def upload_index_cache(self, index_k_cache, *, kv_layout="HND") -> WgpuArray:
         """Copy a paged index key cache ``[P, Hk_idx, S, d_idx]`` to the device, to reuse across calls.
+
+        With ``kv_layout="NHD"`` the array is ``[P, S, Hk_idx, d_idx]`` (R34), held as it is.
 
         Returns
         -------
@@ -165,14 +167,15 @@ class IndexBranchMixin:
             :func:`~paged_sparse_attn.index_branch.sparse_attention` in place of the numpy array;
             update pages with ``.write_pages``; free with ``.release()``.
         """
-        from ..._validation import check_float_array
+        from ..._validation import cache_dims, check_float_array, check_kv_layout
 
         fn = "upload_index_cache"
+        kvl = check_kv_layout(kv_layout, fn)
         ik = check_float_array(index_k_cache, fn, "index_k_cache", 4)
         self._check_cache_dtype(ik.dtype, fn)
         with self._lock:
             ctx = self._device()
-            layout = CacheLayout.make(ik.shape, ik.dtype, ctx.binding_size)
+            layout = CacheLayout.make(cache_dims(ik.shape, kvl), ik.dtype, ctx.binding_size, kv_layout=kvl)
             self._check_budget(fn, {"index_k_cache": layout.device_bytes})  # max_device_bytes
             arr = WgpuArray(self, layout, upload_slabs(ctx.device, ik, layout, "index_k_cache"),
                             self._generation, "index_k_cache")
@@ -242,8 +245,9 @@ class IndexBranchMixin:
             dslab = gslab
         else:
             needed = unique_sorted(gslab.reshape(-1))
-            layout = CacheLayout.make(ik.shape, ik.dtype, ctx.binding_size, slab_ids=needed)
-            dslab = np.searchsorted(needed, gslab)
+            layout = CacheLayout.make((p.num_pages, Hk, S, d), ik.dtype, ctx.binding_size, slab_ids=needed,
+                                      kv_layout=p.kv_layout)
+            dslab = np.searchsorted(layout.slab_ids, gslab)
         starts = layout.chunk_starts
         nch = layout.n_chunks
         chunk = np.searchsorted(starts, dslab, side="right") - 1
@@ -270,7 +274,8 @@ class IndexBranchMixin:
             # the H200: 501 us with the tiled kernel's best stage for the decode layer's 8192 items)
             RT = 8
             pipe, bgl = self._ib_pipeline(SCORES_DECODE, f16, {"DV": DV, "S": S, "BS": BS, "WG": SCORES_DECODE_WG,
-                                                                  "NR": 4 if rows_per_seq <= 4 else 8})
+                                                                  "NR": 4 if rows_per_seq <= 4 else 8,
+                                                                  **layout.kernel_constants()})
         else:
             RT = score_rows_per_item(rows_per_seq)
             fits = [c for c in SCORES_STAGE.get(RT, SCORES_STAGE_SMALL)
@@ -280,7 +285,8 @@ class IndexBranchMixin:
                                        f"workgroup memory for the block scores, the device has "
                                        f"{ctx.workgroup_storage} [R18]")
             DCV = fits[0]
-            pipe, bgl = self._ib_pipeline(SCORES, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV, "RT": RT})
+            pipe, bgl = self._ib_pipeline(SCORES, f16, {"DV": DV, "S": S, "BS": BS, "DCV": DCV, "RT": RT,
+                                                        **layout.kernel_constants()})
 
         per_q = max(Hkv * DV * 16, Hkv * msb * 4)
         # a batch of queries: its index queries, its outputs and its query_end plus >= 1 work item fit

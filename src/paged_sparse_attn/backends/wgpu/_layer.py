@@ -207,7 +207,10 @@ class DeviceRuntime:
                       for e in (["mark", "scatter", "finalize"] + (["direct"] if decode else ["item_flags", "items"]))}
         self.p_scan = {e: pipeline(ctx, SCAN, {"WG": SCAN_WG}, entry=e) for e in ("tiles", "totals")}
         f16 = itemsize == 2
-        self.p_part = be._pipeline(geom.kernel_name, f16, geom.constants())
+        # R34: an NHD cache interleaves the rows of its Hkv heads per page (what CacheLayout.make
+        # gives the resident caches this plan reads; they are checked to be in the plan's layout)
+        rh = {"RH": Hkv} if L.kv_layout == "NHD" and Hkv > 1 else {}
+        self.p_part = be._pipeline(geom.kernel_name, f16, {**geom.constants(), **rh})
         self.p_merge = be._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
 
         def ub(i, size):
@@ -615,7 +618,7 @@ class DeviceRuntime:
         p = IndexProblem(index_q=np.zeros((Tq, Hkv, d), np.float32), index_k_cache=ik, block_tables=L.block_tables,
                          cu_seqlens_q=L.cu_seqlens_q, used_kv_lens=L.used_kv_lens, query_seq=seq.astype(np.int32),
                          query_end=hi.astype(np.int32), block_size=L.block_size,
-                         softmax_scale=1.0 / float(np.sqrt(d)), causal=L.causal)
+                         softmax_scale=1.0 / float(np.sqrt(d)), causal=L.causal, kv_layout=L.kv_layout)
         st = be._score_setup(p, fn)
         if st is not None and st.step < Tq:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs the block scores of all {Tq} queries in one "

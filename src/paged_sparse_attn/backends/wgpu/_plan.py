@@ -5,9 +5,12 @@ Pure numpy, vectorised (no Python loop over edges); nothing here touches the dev
 Vocabulary
 ----------
 slab
-    One (page, KV head) of a cache: ``S * D`` contiguous elements. A cache on the device is a
-    sequence of slabs (global slab id ``p * Hkv + h``, or a compact renumbering of the slabs a
-    problem reads); it is cut into *chunks* of whole slabs, one storage binding each.
+    One (page, KV head) of a cache: ``S * D`` elements. A cache on the device is a sequence of
+    slabs (global slab id ``p * Hkv + h``, or a compact renumbering of the slabs a problem reads);
+    it is cut into *chunks* of whole slabs, one storage binding each. In an ``"NHD"`` cache
+    (R34) the ``Hkv`` slabs of a page share its memory, their rows interleaved; such a cache is
+    held and chunked in whole pages, so a slab's device number still is ``page * Hkv + h`` within
+    its chunk and only the kernels' row addressing differs (override ``RH``).
 work item
     Up to ``RMAX`` rows reading one KV block: consecutive edges of one slot group times the G
     query heads of the group (or one edge times a range of heads when ``G > RMAX``).
@@ -206,12 +209,17 @@ class SlabMap:
         return np.searchsorted(self.chunk_starts, dslab, side="right") - 1
 
 
-def chunk_starts_for(n_slabs: int, slab_bytes: int, binding_size: int) -> np.ndarray:
-    """Boundaries of chunks of whole slabs, each at most ``binding_size`` bytes."""
-    per = binding_size // slab_bytes
+def chunk_starts_for(n_slabs: int, slab_bytes: int, binding_size: int, unit: int = 1) -> np.ndarray:
+    """Boundaries of chunks of whole slabs, each at most ``binding_size`` bytes.
+
+    ``unit``: slabs that must stay in one chunk, a multiple of it per chunk (an NHD page holds the
+    rows of its ``Hkv`` slabs interleaved, R34: chunks are whole pages).
+    """
+    per = (binding_size // slab_bytes) // unit * unit
     if per < 1:
+        what = "(page, KV head)" if unit == 1 else f"page ({unit} KV heads, kv_layout='NHD')"
         raise UnsupportedError(
-            f"backend 'wgpu': one (page, KV head) of the cache takes {slab_bytes} bytes, more than the "
+            f"backend 'wgpu': one {what} of the cache takes {slab_bytes * unit} bytes, more than the "
             f"storage binding limit {binding_size} [R18]")
     starts = np.arange(0, max(n_slabs, 1), per, dtype=np.int64)
     return np.append(starts, n_slabs).astype(np.int64)

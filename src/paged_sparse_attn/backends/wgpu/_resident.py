@@ -43,8 +43,15 @@ class ResidentMixin:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' cannot hold a {name} cache{extra}; "
                                    f"supported: {', '.join(self.capabilities.dtypes)} [R18]")
 
-    def upload_kv_cache(self, k_cache, v_cache) -> tuple[WgpuArray, WgpuArray]:
+    def upload_kv_cache(self, k_cache, v_cache, *, kv_layout="HND") -> tuple[WgpuArray, WgpuArray]:
         """Copy paged K and V caches ``[P, Hkv, S, D]`` to the device, to reuse across calls.
+
+        Parameters
+        ----------
+        k_cache, v_cache : array [P, Hkv, S, D], or [P, S, Hkv, D] with ``kv_layout="NHD"``
+        kv_layout : {"HND", "NHD"}
+            Their page layout (R34); the device holds the pages as they are, and calls that use
+            the arrays must name the same layout.
 
         Returns
         -------
@@ -52,9 +59,10 @@ class ResidentMixin:
             Pass them to :func:`paged_sparse_attn.forward` in place of the numpy caches; update
             pages with :meth:`update_pages`; free with ``.release()``.
         """
-        from ..._validation import check_float_array
+        from ..._validation import check_float_array, check_kv_layout
 
         fn = "upload_kv_cache"
+        kvl = check_kv_layout(kv_layout, fn)
         k = check_float_array(k_cache, fn, "k_cache", 4)
         v = check_float_array(v_cache, fn, "v_cache", 4)
         if k.shape != v.shape or k.dtype != v.dtype:
@@ -64,15 +72,17 @@ class ResidentMixin:
         with self._lock:
             for attempt in (0, 1):
                 try:
-                    return self._upload_locked(k, v, fn)
+                    return self._upload_locked(k, v, fn, kvl)
                 except DeviceError:
                     if attempt or not self._device_lost():
                         raise
                     self.close()  # the device was lost: upload to a new one
 
-    def _upload_locked(self, k: np.ndarray, v: np.ndarray, fn: str) -> tuple[WgpuArray, WgpuArray]:
+    def _upload_locked(self, k: np.ndarray, v: np.ndarray, fn: str, kv_layout: str = "HND") -> tuple[WgpuArray, WgpuArray]:
+        from ..._validation import cache_dims
+
         ctx = self._device()
-        layout = CacheLayout.make(k.shape, k.dtype, ctx.binding_size)
+        layout = CacheLayout.make(cache_dims(k.shape, kv_layout), k.dtype, ctx.binding_size, kv_layout=kv_layout)
         self._check_budget(fn, {"k_cache and v_cache": 2 * layout_bytes(layout)})
         kb = upload_slabs(ctx.device, k, layout, "k_cache")
         try:
@@ -95,8 +105,8 @@ class ResidentMixin:
             From :meth:`upload_kv_cache`.
         page_ids : int array [n]
             Physical page ids in ``[0, P)``.
-        k_pages, v_pages : array [n, Hkv, S, D]
-            New contents, same dtype as the caches.
+        k_pages, v_pages : array [n, Hkv, S, D] ([n, S, Hkv, D] for NHD caches)
+            New contents, same dtype and page layout as the caches.
         """
         with self._lock:
             self._write_pages(k_dev, page_ids, k_pages)
@@ -113,7 +123,7 @@ class ResidentMixin:
     def _write_pages_locked(self, arr: WgpuArray, page_ids, pages) -> None:
         fn = "update_pages"
         self._own(arr, fn)
-        P, Hkv, S, D = arr.shape
+        P, Hkv, S, D = arr.layout.shape
         ids = np.asarray(page_ids)
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise SpecError(f"{fn}(): page_ids must be a 1-D integer array, got {ids.dtype} {ids.shape} [R2]", "R2")
@@ -121,13 +131,16 @@ class ResidentMixin:
         if ids.size and (ids.min() < 0 or ids.max() >= P):
             raise SpecError(f"{fn}(): page_ids must lie in [0, {P}), got {ids.min()}..{ids.max()} [R2]", "R2")
         data = np.asarray(pages)
-        if data.shape != (ids.shape[0], Hkv, S, D) or data.dtype != arr.dtype:
-            raise SpecError(f"{fn}(): pages must be {arr.dtype.name} [{ids.shape[0]}, {Hkv}, {S}, {D}], "
+        want = (ids.shape[0], *arr.shape[1:])  # a page in the cache's layout (R34)
+        if data.shape != want or data.dtype != arr.dtype:
+            raise SpecError(f"{fn}(): pages must be {arr.dtype.name} {list(want)} (kv_layout={arr.kv_layout!r}), "
                             f"got {data.dtype.name} {list(data.shape)} [R1]", "R1")
         lay = arr.layout
         bufs = arr.buffers()
         ctx = self._device()
-        rows = lay.pad_rows(data.reshape(ids.shape[0] * Hkv, S * D))
+        # a page's memory as Hkv runs of S rows (its slabs in HND, interleaved rows in NHD): the
+        # runs go to the page's consecutive device slabs, so the device holds the page as given
+        rows = lay.pad_rows(np.ascontiguousarray(data).reshape(ids.shape[0] * Hkv, S * D))
         gslab = (ids[:, None] * Hkv + np.arange(Hkv)).ravel()
         chunk = np.searchsorted(lay.chunk_starts, gslab, side="right") - 1
         with device_errors(f"{fn} of {arr._label}", pages=int(ids.shape[0])):
@@ -147,7 +160,7 @@ class ResidentMixin:
         with self._lock:
             ctx = self._device()
             lay = arr.layout
-            P, Hkv, S, D = arr.shape
+            P, Hkv, S, D = lay.shape
             parts = []
             with device_errors(f"readback of {arr._label}", chunks=lay.n_chunks):
                 for c, buf in enumerate(arr.buffers()):
@@ -157,7 +170,7 @@ class ResidentMixin:
                     raw = ctx.device.queue.read_buffer(buf, 0, n * lay.slab_bytes)
                     parts.append(lay.unpad_rows(np.frombuffer(raw, dtype=lay.dtype).reshape(n, lay.slab_stride)))
             flat = np.concatenate(parts) if parts else np.zeros((0, S * D), dtype=lay.dtype)
-            return flat.reshape(P, Hkv, S, D).copy()
+            return flat.reshape(lay.physical_shape).copy()
 
     # --- device memory accounting (max_device_bytes) ------------------------------------------------
 

@@ -272,6 +272,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 deterministic=True, batch_invariant=self._batch_invariant, index_branch=True,
                 # subgroup-matrix configurations as features: "subgroup-matrix-f16-16x16x16" (f16 x f16 -> f32)
                 features=frozenset(ctx.features) | {f"subgroup-matrix-f16-{m}x{n}x{k}" for m, n, k in ctx.sgmat},
+                kv_layouts=("HND", "NHD"),  # R34: both read in place (override RH of the kernels)
                 limits=limits,
                 device=ctx.summary,
             )
@@ -358,7 +359,9 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             return k.layout, "none"
         if len(dev) == 1:  # one side resident: upload the other with the same (full) layout
             return dev[0].layout, ("v" if dev[0] is k else "k")
-        return CacheLayout.make(k.shape, k.dtype, ctx.binding_size, slab_ids=view.needed_slabs()), "both"
+        shape = (problem.num_pages, problem.num_kv_heads, problem.page_size, problem.head_dim)
+        return CacheLayout.make(shape, k.dtype, ctx.binding_size, slab_ids=view.needed_slabs(),
+                                kv_layout=problem.kv_layout), "both"
 
     def _cache_upload(self, problem: Problem, layout: CacheLayout, upload: str):
         """(k chunk buffers, v chunk buffers, temporaries to free after the call)."""
@@ -587,7 +590,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             what = f"{'forward' if normalize else 'forward_partials'} ({kernel}, {MERGE})"
             with device_errors(what, **sizes):
                 dev = ctx.device
-                pipe_p, bgl_p = self._pipeline(kernel, f16, geom.constants())
+                pipe_p, bgl_p = self._pipeline(kernel, f16, {**geom.constants(), **layout.kernel_constants()})
                 pipe_m, bgl_m = self._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
