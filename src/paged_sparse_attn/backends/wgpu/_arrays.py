@@ -25,12 +25,19 @@ class CacheLayout:
     padded to whole vec4s; the padding is never used), ``slab_stride = S * row_elems`` elements.
     Chunk c holds device slabs ``chunk_starts[c]:chunk_starts[c+1]``, one buffer each.
 
-    ``shape`` is the logical ``(P, Hkv, S, D)`` whatever the page layout. ``rh`` is the number of
-    KV heads whose rows a page interleaves (R34): 1 for ``"HND"`` (a slab's S rows are
-    contiguous), ``Hkv`` for ``"NHD"`` (row ``pos`` of head h of a page is the page's row
-    ``pos * Hkv + h``). A buffer holds the caller's pages byte for byte in either layout (rows
-    padded as above); with ``rh > 1`` chunks and compact uploads are whole pages, so device slab
-    ``n`` is head ``n % rh`` of the chunk's page ``n // rh`` and the slab numbering is unchanged.
+    ``shape`` is the logical ``(P, Hkv, S, D)`` whatever the page layout ``kv_layout`` of the
+    host array it mirrors (R34). ``rh`` is the number of KV heads whose rows a device page
+    interleaves: 1 when the buffers hold slabs of S contiguous rows, ``Hkv`` when they hold the
+    pages of an ``"NHD"`` cache as they are (row ``pos`` of head h of a page is the page's row
+    ``pos * Hkv + h``; device slab ``n`` is head ``n % rh`` of the chunk's page ``n // rh``, so
+    the slab numbering is unchanged and only the kernels' addressing differs).
+
+    A whole cache (a resident one) is held as it is, in either layout, and cut into chunks of
+    whole pages in both layouts. A compact upload (the slabs one call reads) holds slabs of
+    contiguous rows in both layouts (``rh = 1``), gathered from the caller's array like any
+    compact upload. Either way an ``"NHD"`` cache and the same cache in ``"HND"`` are cut into
+    the same chunks at the same pages, so the kernels split the same work the same way and
+    the results are the same bits (R34).
     """
 
     shape: tuple[int, int, int, int]
@@ -111,34 +118,37 @@ class CacheLayout:
              kv_layout: str = "HND") -> CacheLayout:
         """The layout of a cache of logical ``shape`` ``(P, Hkv, S, D)`` in ``kv_layout`` (R34).
 
-        ``slab_ids``: sorted global slab ids to hold (a compact upload); in an NHD cache of several
-        KV heads they are widened to whole pages (the heads of a page share its rows).
+        ``slab_ids``: sorted global slab ids to hold (a compact upload), None for all of them.
         """
         P, Hkv, S, D = (int(x) for x in shape)
         dt = np.dtype(dtype)
         stride = S * (-(-D // 4) * 4)
         nhd = kv_layout == "NHD"
-        rh = Hkv if nhd else 1
-        if slab_ids is not None and rh > 1:
-            pages = np.unique(np.asarray(slab_ids, dtype=np.int64) // rh)
-            slab_ids = (pages[:, None] * rh + np.arange(rh, dtype=np.int64)).reshape(-1)
-        n = P * Hkv if slab_ids is None else int(slab_ids.shape[0])
-        starts = chunk_starts_for(n, stride * dt.itemsize, binding_size, unit=rh)
-        return CacheLayout((P, Hkv, S, D), dt, stride, starts, slab_ids, rh, nhd)
+        if slab_ids is not None:  # compact: slabs of contiguous rows, whatever the host layout
+            starts = chunk_starts_for(int(slab_ids.shape[0]), stride * dt.itemsize, binding_size)
+            return CacheLayout((P, Hkv, S, D), dt, stride, starts, slab_ids, 1, nhd)
+        # whole: chunks of whole pages in both layouts (the same cut, R34); an HND cache whose
+        # page does not fit one binding (but a slab does) is still cut by slabs, as NHD cannot be
+        unit = Hkv if nhd or (binding_size // (stride * dt.itemsize)) >= Hkv else 1
+        starts = chunk_starts_for(P * Hkv, stride * dt.itemsize, binding_size, unit=unit)
+        return CacheLayout((P, Hkv, S, D), dt, stride, starts, None, Hkv if nhd else 1, nhd)
 
 
 def _slab_rows(arr: np.ndarray, layout: CacheLayout, lo: int, hi: int) -> np.ndarray:
     """Device slabs lo:hi of host cache ``arr`` as a [hi-lo, slab_stride] array in the device dtype.
 
-    ``arr`` is in the layout's page layout. Its memory is read as runs of S rows: in an NHD cache
-    the runs of a page are not its heads' slabs, but the page-aligned slab ranges the layout holds
-    take a page's runs together, so the bytes are the caller's pages as they are (R34)."""
+    ``arr`` is in the layout's page layout (R34). A whole cache is read as runs of S rows: in an
+    NHD cache the runs of a page are not its heads' slabs, but the chunks hold whole pages, so the
+    device gets the caller's pages as they are. A compact upload gathers the slabs it holds (S
+    rows each, strided in an NHD array) into contiguous slabs, as it gathers them from HND."""
     P, Hkv, S, D = layout.shape
-    flat = arr.reshape(P * Hkv, S * D)
     if layout.slab_ids is None:
-        rows = flat[lo:hi]
+        rows = arr.reshape(P * Hkv, S * D)[lo:hi]
+    elif layout.nhd:
+        ids = layout.slab_ids[lo:hi]
+        rows = arr.reshape(P, S, Hkv, D)[ids // Hkv, :, ids % Hkv].reshape(ids.shape[0], S * D)
     else:
-        rows = flat[layout.slab_ids[lo:hi]]
+        rows = arr.reshape(P * Hkv, S * D)[layout.slab_ids[lo:hi]]
     return layout.pad_rows(rows)
 
 

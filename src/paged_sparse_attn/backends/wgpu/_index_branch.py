@@ -247,7 +247,7 @@ class IndexBranchMixin:
             needed = unique_sorted(gslab.reshape(-1))
             layout = CacheLayout.make((p.num_pages, Hk, S, d), ik.dtype, ctx.binding_size, slab_ids=needed,
                                       kv_layout=p.kv_layout)
-            dslab = np.searchsorted(layout.slab_ids, gslab)
+            dslab = np.searchsorted(needed, gslab)
         starts = layout.chunk_starts
         nch = layout.n_chunks
         chunk = np.searchsorted(starts, dslab, side="right") - 1

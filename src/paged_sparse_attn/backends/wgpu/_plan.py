@@ -7,10 +7,10 @@ Vocabulary
 slab
     One (page, KV head) of a cache: ``S * D`` elements. A cache on the device is a sequence of
     slabs (global slab id ``p * Hkv + h``, or a compact renumbering of the slabs a problem reads);
-    it is cut into *chunks* of whole slabs, one storage binding each. In an ``"NHD"`` cache
-    (R34) the ``Hkv`` slabs of a page share its memory, their rows interleaved; such a cache is
-    held and chunked in whole pages, so a slab's device number still is ``page * Hkv + h`` within
-    its chunk and only the kernels' row addressing differs (override ``RH``).
+    it is cut into *chunks* of whole slabs, one storage binding each. A whole ``"NHD"`` cache
+    (R34) is held as it is: the ``Hkv`` slabs of a page share its memory, their rows interleaved,
+    and chunks are whole pages, so a slab's device number still is ``page * Hkv + h`` within its
+    chunk and only the kernels' row addressing differs (override ``RH``).
 work item
     Up to ``RMAX`` rows reading one KV block: consecutive edges of one slot group times the G
     query heads of the group (or one edge times a range of heads when ``G > RMAX``).
