@@ -134,7 +134,7 @@ def tolerance(*dtypes, head_dim: int | None = None, num_positions: int | None = 
 
 
 def problem_tolerance(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_kv_lens=None,
-                      block_size, softmax_scale=None, causal=False) -> Tolerance:
+                      block_size, softmax_scale=None, causal=False, kv_layout="HND") -> Tolerance:
     """The derived R20 tolerance of one forward problem (the arguments of ``forward``).
 
     ``n``, ``sigma`` and ``V`` are the maxima over all rows, taken over the attended positions
@@ -150,8 +150,10 @@ def problem_tolerance(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
 
     p = validate_forward("problem_tolerance", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
-                         causal=causal)
+                         causal=causal, kv_layout=kv_layout)
     kc, vc = np.asarray(p.k_cache), np.asarray(p.v_cache)
+    if p.kv_layout == "NHD":  # [P, S, Hkv, D] read as [P, Hkv, S, D] (a view, R34)
+        kc, vc = kc.transpose(0, 2, 1, 3), vc.transpose(0, 2, 1, 3)
     S, G = p.page_size, p.group_size
     n, sigma, V = 1, 0.0, 0.0
     for b in range(p.num_seqs):

@@ -1,6 +1,6 @@
 """The catalogue of single-rule violations of the public functions' inputs (R17).
 
-:data:`MUTATIONS` maps every rule an input of ``forward`` can break (R1-R8) to functions that take a valid
+:data:`MUTATIONS` maps every rule an input of ``forward`` can break (R1-R8, R34) to functions that take a valid
 :class:`~paged_sparse_attn.testing.problem.AttentionProblem` and return the arguments to change
 so that exactly that rule is violated, with a sentence saying how (or None when the mutation
 does not apply to that problem). :func:`paged_sparse_attn.testing.strategies.invalid_problems`
@@ -21,7 +21,7 @@ from .problem import AttentionProblem
 
 __all__ = ["RULES", "MUTATIONS", "Mutation", "Pick", "INDEX_RULES", "INDEX_MUTATIONS", "IndexMutation"]
 
-RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8")
+RULES = ("R1", "R2", "R3", "R4", "R5", "R6", "R7", "R8", "R34")
 """The rules an input of ``forward`` can break; each has at least one mutation."""
 
 Pick = Callable[[int, int], int]  # pick(lo, hi): an int in [lo, hi], drawn by hypothesis
@@ -262,6 +262,11 @@ def _r8_causal(p, pick):
     return {"causal": bad}, f"causal = {bad!r}"
 
 
+def _r34_kv_layout(p, pick):
+    bad = ["nhd", "hnd", "NHD ", "HDN", "", None, 1, ("NHD",)][pick(0, 7)]
+    return {"kv_layout": bad}, f"kv_layout = {bad!r}"
+
+
 MUTATIONS: dict[str, tuple[Mutation, ...]] = {
     "R1": (_r1_q_2d, _r1_cache_3d, _r1_kv_shapes_differ, _r1_kv_dtypes_differ, _r1_head_dim, _r1_group,
            _r1_no_kv_heads, _r1_page_size_zero),
@@ -272,6 +277,7 @@ MUTATIONS: dict[str, tuple[Mutation, ...]] = {
     "R6": (_r6_too_big, _r6_below, _r6_duplicate, _r6_shape, _r6_2d),
     "R7": (_r7_float64_q, _r7_float64_cache, _r7_float_index, _r7_bool_index, _r7_list, _r7_int32_overflow),
     "R8": (_r8_scale, _r8_causal),
+    "R34": (_r34_kv_layout,),
 }
 """The catalogue of single-rule violations: rule id -> mutations of a valid problem."""
 

@@ -12,11 +12,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["AttentionProblem", "InvalidCall", "FORWARD_ARGS"]
+__all__ = ["AttentionProblem", "InvalidCall", "FORWARD_ARGS", "to_layout"]
 
 # The arguments of psa.forward / psa.dense_reference, in order (all may be passed by keyword).
 FORWARD_ARGS = ("q", "k_cache", "v_cache", "block_tables", "selected", "cu_seqlens_q",
-                "used_kv_lens", "block_size", "softmax_scale", "causal")
+                "used_kv_lens", "block_size", "softmax_scale", "causal", "kv_layout")
+
+
+def to_layout(cache: Any, kv_layout: str) -> Any:
+    """A logical ``[P, Hkv, S, D]`` cache as the array a caller holds in ``kv_layout`` (R34):
+    itself for ``"HND"``, its ``[P, S, Hkv, D]`` transpose (C-contiguous) for ``"NHD"``."""
+    if kv_layout != "NHD" or not isinstance(cache, np.ndarray) or cache.ndim != 4:
+        return cache
+    return np.ascontiguousarray(cache.transpose(0, 2, 1, 3))
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +35,8 @@ class AttentionProblem:
     ----------
     q : ndarray [Tq, Hq, D]
     k_cache, v_cache : ndarray [P, Hkv, S, D]
+        The logical caches, ``[P, Hkv, S, D]`` whatever ``kv_layout`` (so tests index them one
+        way); the calls (``kwargs``, ``forward``, ``reference``) pass them in ``kv_layout``.
     block_tables : ndarray int32 [B, max_pages]
     selected : ndarray int32 [Tq, Hkv, topk]
     cu_seqlens_q : ndarray int32 [B + 1]
@@ -38,6 +48,8 @@ class AttentionProblem:
     values : str
         How the float data were made (e.g. ``"normal(seed=3)"``): with the index arrays shown by
         ``repr`` it is enough to rebuild the problem from a failure report.
+    kv_layout : str
+        The page layout the calls pass the caches in (R34): ``"HND"`` or ``"NHD"``.
     """
 
     q: np.ndarray
@@ -51,6 +63,7 @@ class AttentionProblem:
     softmax_scale: float | None = None
     causal: bool = False
     values: str = field(default="", compare=False)
+    kv_layout: str = "HND"
 
     # --- sizes -------------------------------------------------------------------------------
     @property
@@ -124,8 +137,11 @@ class AttentionProblem:
 
     # --- calls -------------------------------------------------------------------------------
     def kwargs(self) -> dict[str, Any]:
-        """Every argument of ``forward`` / ``dense_reference`` by keyword."""
-        return {name: getattr(self, name) for name in FORWARD_ARGS}
+        """Every argument of ``forward`` / ``dense_reference`` by keyword, the caches in
+        ``kv_layout`` (R34)."""
+        kw = {name: getattr(self, name) for name in FORWARD_ARGS}
+        kw["k_cache"], kw["v_cache"] = to_layout(self.k_cache, self.kv_layout), to_layout(self.v_cache, self.kv_layout)
+        return kw
 
     def replace(self, **changes: Any) -> AttentionProblem:
         """A copy with some fields replaced (arrays are not copied)."""
@@ -175,7 +191,7 @@ class AttentionProblem:
             f"D={self.head_dim}, P={self.num_pages}, S={self.page_size}, block_size={self.block_size}, "
             f"msb={self.msb}, topk={self.topk}, q={np.dtype(self.q.dtype).name}, "
             f"cache={np.dtype(self.k_cache.dtype).name}, causal={self.causal}, "
-            f"softmax_scale={self.softmax_scale!r}, values={self.values!r},\n"
+            f"softmax_scale={self.softmax_scale!r}, values={self.values!r}, kv_layout={self.kv_layout!r},\n"
             f"    cu_seqlens_q={arr(self.cu_seqlens_q)}, used_kv_lens={arr(self.used_kv_lens)},\n"
             f"    block_tables={arr(self.block_tables)},\n"
             f"    selected={arr(self.selected)})"

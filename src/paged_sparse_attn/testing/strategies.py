@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from .._types import Capabilities
 from .._validation import FLOAT_DTYPES
 from .mutations import INDEX_MUTATIONS, INDEX_RULES, MUTATIONS, RULES, Mutation, Pick  # noqa: F401  (re-exported)
-from .problem import FORWARD_ARGS, AttentionProblem, InvalidCall
+from .problem import FORWARD_ARGS, AttentionProblem, InvalidCall, to_layout
 
 __all__ = [
     "cu_seqlens",
@@ -47,7 +47,10 @@ __all__ = [
     "RULES",
     "MUTATIONS",
     "make_values",
+    "KV_LAYOUTS",
 ]
+
+KV_LAYOUTS = ("HND", "NHD")  # R34
 
 
 
@@ -254,6 +257,18 @@ def _dtype_choices(caps: Capabilities | None, dtypes) -> list[np.dtype]:
     return out
 
 
+def _layout_choices(caps: Capabilities | None, kv_layout) -> st.SearchStrategy:
+    """The page layouts to draw (R34): those requested that the backend declares."""
+    if isinstance(kv_layout, st.SearchStrategy):
+        return kv_layout
+    wanted = [kv_layout] if isinstance(kv_layout, str) else list(kv_layout)
+    have = getattr(caps, "kv_layouts", ("HND",)) if caps is not None else KV_LAYOUTS
+    out = [x for x in wanted if x in have]
+    if not out:
+        raise ValueError(f"problems(): no kv_layout is both requested ({wanted}) and supported ({list(have)})")
+    return st.sampled_from(out)
+
+
 def _limit(values: Sequence[int], cap: int | None) -> list[int]:
     kept = [v for v in values if cap is None or v <= cap]
     return kept or ([cap] if cap is not None and cap >= 1 else [1])
@@ -295,6 +310,7 @@ def problems(
     full_lens: bool = False,
     softmax_scale=st.one_of(st.none(), st.sampled_from([1.0, 0.5, 0.3, -0.7])),
     values=VALUE_KINDS,
+    kv_layout=KV_LAYOUTS,
 ) -> AttentionProblem:
     """A complete valid problem within a backend's declared capabilities.
 
@@ -332,6 +348,10 @@ def problems(
         None means the R8 default.
     values : str, sequence or strategy
         Value kind, see ``make_values``.
+    kv_layout : str, sequence or strategy
+        Page layouts the calls pass the caches in (R34); default both, restricted to
+        ``caps.kv_layouts``. The problem's ``k_cache`` / ``v_cache`` stay logical
+        ``[P, Hkv, S, D]``; ``kwargs()`` hands them over in the drawn layout.
     """
     # structure first ...
     dts = _dtype_choices(caps, dtypes)
@@ -370,6 +390,7 @@ def problems(
     cache_dtype = dts[0] if draw(st.booleans()) else draw(st.sampled_from(dts))
     q_dtype = cache_dtype if draw(st.integers(0, 2)) < 2 else draw(st.sampled_from(dts))
     scale = draw(_s(softmax_scale))
+    layout = draw(_layout_choices(caps, kv_layout))
     # ... then the index arrays ...
     pt = draw(block_tables(num_seqs=B, max_pages=max_pages, holes=holes, shared=shared_pages))
     cap = msb * BS
@@ -386,14 +407,17 @@ def problems(
     q, kc, vc = make_values(seed, kind, q_shape=(Tq, Hkv * G, D), cache_shape=(pt.num_pages, Hkv, S, D),
                             q_dtype=q_dtype, cache_dtype=cache_dtype)
     return AttentionProblem(q, kc, vc, pt.table, sel, cu, None if use_default else lens, BS,
-                            softmax_scale=scale, causal=is_causal, values=f"{kind}(seed={seed})")
+                            softmax_scale=scale, causal=is_causal, values=f"{kind}(seed={seed})", kv_layout=layout)
 
 
 # --- index-branch problems (R21-R25) ---------------------------------------------------------
 
 class IndexCase(tuple):
     """``(problem, index_q [Tq, Hkv, d_idx], index_k_cache [P, Hk_idx, S, d_idx])``, as drawn by
-    :func:`index_problems`: a valid forward problem and index inputs paged like its caches."""
+    :func:`index_problems`: a valid forward problem and index inputs paged like its caches.
+
+    ``index_k_cache`` is logical ``[P, Hk_idx, S, d_idx]``, like the problem's caches;
+    :meth:`sparse_kwargs` hands every cache over in the problem's ``kv_layout`` (R34)."""
 
     __slots__ = ()
 
@@ -408,6 +432,14 @@ class IndexCase(tuple):
         """The positional arguments of ``block_scores`` (and ``block_scores_reference``)."""
         p = self.problem
         return (self.index_q, self.index_k_cache, p.block_tables, p.cu_seqlens_q, p.used_kv_lens)
+
+    def sparse_kwargs(self) -> dict:
+        """Every argument of ``sparse_attention`` but ``topk`` by keyword, the caches and the
+        index keys in the problem's ``kv_layout`` (R34)."""
+        p = self.problem
+        kw = {n: v for n, v in p.kwargs().items() if n != "selected"}
+        kw.update(index_q=self.index_q, index_k_cache=to_layout(self.index_k_cache, p.kv_layout))
+        return kw
 
 
 @st.composite
@@ -462,13 +494,14 @@ def invalid_problems(draw, *, caps: Capabilities | None = None, rules: Sequence[
         if got is not None:
             changes, what = got
             kwargs = base.kwargs()
-            kwargs.update(changes)
+            kwargs.update({n: to_layout(v, base.kv_layout) if n in ("k_cache", "v_cache") and "kv_layout" not in changes
+                           else v for n, v in changes.items()})  # mutations change logical caches
             return InvalidCall({n: kwargs[n] for n in FORWARD_ARGS}, rule, what, base)
     raise AssertionError("unreachable: some mutation applies to every problem")  # pragma: no cover
 
 
 SPARSE_ATTENTION_ARGS = ("q", "k_cache", "v_cache", "index_q", "index_k_cache", "block_tables", "cu_seqlens_q",
-                         "used_kv_lens", "block_size", "topk", "causal", "softmax_scale")
+                         "used_kv_lens", "block_size", "topk", "causal", "softmax_scale", "kv_layout")
 
 
 @st.composite
@@ -495,7 +528,8 @@ def invalid_index_problems(draw, *, caps: Capabilities | None = None, rules: Seq
         if got is not None:
             changes, what = got
             p = case.problem
-            kwargs = {**p.kwargs(), "index_q": case.index_q, "index_k_cache": case.index_k_cache,
-                      "topk": max(1, p.topk), **changes}
+            changes = {n: to_layout(v, p.kv_layout) if n in ("k_cache", "v_cache", "index_k_cache") else v
+                       for n, v in changes.items()}  # mutations change logical caches
+            kwargs = {**case.sparse_kwargs(), "topk": max(1, p.topk), **changes}
             return InvalidCall({n: kwargs[n] for n in SPARSE_ATTENTION_ARGS}, rule, what, p)
     raise AssertionError("unreachable: some mutation applies to every case")  # pragma: no cover
