@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._api import build_kvouter_index, combine_partials, forward, forward_partials
 from ._attention_plan import AttentionPlan, plan_attention
 from ._layout import BatchLayout
+from ._paged_kv import block_tables_from_indptr
 from ._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
 from .backends.base import Backend
 from .errors import (
@@ -40,6 +41,7 @@ __all__ = [
     "merge_states",
     "lse_to_base2",
     "lse_from_base2",
+    "block_tables_from_indptr",
     "list_backends",
     "get_backend",
     "register_backend",
