@@ -29,7 +29,7 @@ from paged_sparse_attn._validation import FLOAT_DTYPES
 from paged_sparse_attn.index_branch import block_scores_reference
 from paged_sparse_attn.testing import strategies as pst
 from paged_sparse_attn.testing.assertions import assert_attention_close, tolerance
-from paged_sparse_attn.testing.problem import FORWARD_ARGS, AttentionProblem
+from paged_sparse_attn.testing.problem import FORWARD_ARGS, AttentionProblem, to_layout
 
 from _problems import attended_mask, make_problem
 
@@ -135,6 +135,17 @@ def _strided(a: np.ndarray) -> np.ndarray:
     return v
 
 
+def _caches(p: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
+    """The problem's caches as its calls pass them: in its kv_layout (R34)."""
+    return to_layout(p.k_cache, p.kv_layout), to_layout(p.v_cache, p.kv_layout)
+
+
+def _layout_of(kw: dict) -> str | None:
+    """The call's kv_layout if it is a valid one (a case may corrupt it, R34)."""
+    x = kw.get("kv_layout", "HND")
+    return x if isinstance(x, str) and x in pst.KV_LAYOUTS else None
+
+
 def _index_arrays(p: AttentionProblem) -> dict:
     return {"block_tables": p.block_tables, "selected": p.selected, "cu_seqlens_q": p.cu_seqlens_q,
             "used_kv_lens": p.kv_lens.astype(np.int32)}
@@ -143,17 +154,20 @@ def _index_arrays(p: AttentionProblem) -> dict:
 # Valid variants: the problem stays valid (R1-R8), sometimes with zero-size dimensions.
 def _v_non_contiguous(p, pick):
     names = ["q", "k_cache", "v_cache", "block_tables", "selected", "cu_seqlens_q", "used_kv_lens"]
-    arrs = {**{n: getattr(p, n) for n in names[:3]}, **_index_arrays(p)}
+    k, v = _caches(p)
+    arrs = {"q": p.q, "k_cache": k, "v_cache": v, **_index_arrays(p)}
     return {n: _strided(arrs[n]) for n in names}, "every array is a non-contiguous view"
 
 
 def _v_fortran(p, pick):
-    return {"k_cache": np.asfortranarray(p.k_cache), "v_cache": np.asfortranarray(p.v_cache),
+    k, v = _caches(p)
+    return {"k_cache": np.asfortranarray(k), "v_cache": np.asfortranarray(v),
             "selected": np.asfortranarray(p.selected)}, "caches and selected in Fortran order"
 
 
 def _v_read_only(p, pick):
-    arrs = {"q": p.q, "k_cache": p.k_cache, "v_cache": p.v_cache, **_index_arrays(p)}
+    k, v = _caches(p)
+    arrs = {"q": p.q, "k_cache": k, "v_cache": v, **_index_arrays(p)}
     return {n: _ro(a) for n, a in arrs.items()}, "every array is read-only"
 
 
@@ -189,7 +203,7 @@ def _v_no_sequences(p, pick):
 
 
 def _v_no_pages(p, pick):
-    shape = (0,) + p.k_cache.shape[1:]
+    shape = (0,) + _caches(p)[0].shape[1:]
     return {"k_cache": np.zeros(shape, p.k_cache.dtype), "v_cache": np.zeros(shape, p.v_cache.dtype),
             "block_tables": np.full_like(p.block_tables, -1)}, "P = 0, every page unmapped"
 
@@ -239,8 +253,8 @@ def _x_uint64_overflow(p, pick):
 
 def _x_zero_head_dim(p, pick):
     return {"q": np.zeros(p.q.shape[:2] + (0,), p.q.dtype),
-            "k_cache": np.zeros(p.k_cache.shape[:3] + (0,), p.k_cache.dtype),
-            "v_cache": np.zeros(p.v_cache.shape[:3] + (0,), p.v_cache.dtype)}, "head_dim 0", "R1"
+            "k_cache": np.zeros(_caches(p)[0].shape[:3] + (0,), p.k_cache.dtype),
+            "v_cache": np.zeros(_caches(p)[1].shape[:3] + (0,), p.v_cache.dtype)}, "head_dim 0", "R1"
 
 
 def _x_zero_q_heads(p, pick):
@@ -280,6 +294,9 @@ def cases(draw, *, caps) -> Case:
         changes, what = got[0], got[1]
         if kind == "extra":
             rule = got[2]
+        if kind == "catalogue" and "kv_layout" not in changes:  # the catalogue changes logical caches
+            changes = {n: to_layout(a, base.kv_layout) if n in ("k_cache", "v_cache") else a
+                       for n, a in changes.items()}
         kwargs = base.kwargs()
         if kwargs["used_kv_lens"] is None:
             kwargs["used_kv_lens"] = base.kv_lens.astype(np.int32)
@@ -310,7 +327,8 @@ def _spec_error(call: Callable, fns: tuple[str, ...], rule: str | None, what: st
 
 def _page_size(kw: dict, base: AttentionProblem) -> int:
     k = kw["k_cache"]
-    return int(k.shape[2]) if isinstance(k, np.ndarray) and k.ndim == 4 and k.shape[2] > 0 else base.page_size
+    ax = 1 if _layout_of(kw) == "NHD" else 2  # the page axis of the call's layout (R34)
+    return int(k.shape[ax]) if isinstance(k, np.ndarray) and k.ndim == 4 and k.shape[ax] > 0 else base.page_size
 
 
 def _pipeline(kw: dict, base: AttentionProblem, backend) -> tuple[np.ndarray, np.ndarray]:
@@ -318,25 +336,28 @@ def _pipeline(kw: dict, base: AttentionProblem, backend) -> tuple[np.ndarray, np
     ix = psa.build_kvouter_index(kw["selected"], kw["block_tables"], kw["cu_seqlens_q"], kw["used_kv_lens"],
                                  block_size=kw["block_size"], page_size=_page_size(kw, base), causal=kw["causal"])
     part = psa.forward_partials(kw["q"], kw["k_cache"], kw["v_cache"], ix, softmax_scale=kw["softmax_scale"],
-                                backend=backend)
+                                kv_layout=kw["kv_layout"], backend=backend)
     return psa.combine_partials(part, ix)
 
 
 _SPARSE_ATTENTION_OK = frozenset(FORWARD_ARGS) - {"selected"}
 _BLOCK_SCORES_ARGS = frozenset({"k_cache", "block_tables", "cu_seqlens_q", "used_kv_lens", "block_size",
-                                "softmax_scale", "causal"})
+                                "softmax_scale", "causal", "kv_layout"})
 
 
 def _index_inputs(kw: dict, base: AttentionProblem) -> tuple[np.ndarray, np.ndarray]:
-    """index_q [Tq, Hkv, D] and index_k_cache [P, 1, S, D] paged like the caches: made from the
-    case's q and k_cache when those are valid arrays, else from the base problem's."""
+    """index_q [Tq, Hkv, D] and index_k_cache [P, 1, S, D] ([P, S, 1, D] in NHD) paged like the
+    caches: made from the case's q and k_cache when those are valid arrays, else from the base
+    problem's (in the call's layout, or HND when the case corrupts kv_layout)."""
     q, k = kw["q"], kw["k_cache"]
+    nhd = _layout_of(kw) == "NHD"
+    ax = 2 if nhd else 1  # the KV-head axis (R34)
     ok = (isinstance(q, np.ndarray) and isinstance(k, np.ndarray) and q.ndim == 3 and k.ndim == 4
-          and q.dtype in FLOAT_DTYPES and k.dtype in FLOAT_DTYPES and q.shape[1] >= k.shape[1] >= 1
-          and q.shape[1] % k.shape[1] == 0)
-    q, k = (q, k) if ok else (base.q, base.k_cache)
-    G = q.shape[1] // k.shape[1]
-    return np.ascontiguousarray(q[:, ::G]), np.ascontiguousarray(k[:, :1])
+          and q.dtype in FLOAT_DTYPES and k.dtype in FLOAT_DTYPES and q.shape[1] >= k.shape[ax] >= 1
+          and q.shape[1] % k.shape[ax] == 0)
+    q, k = (q, k) if ok else (base.q, to_layout(base.k_cache, "NHD" if nhd else "HND"))
+    G = q.shape[1] // k.shape[ax]
+    return np.ascontiguousarray(q[:, ::G]), np.ascontiguousarray(k[:, :, :1] if nhd else k[:, :1])
 
 
 def _sparse_attention(kw: dict, base: AttentionProblem, backend):
@@ -344,14 +365,14 @@ def _sparse_attention(kw: dict, base: AttentionProblem, backend):
     return psa.sparse_attention(kw["q"], kw["k_cache"], kw["v_cache"], iq, ik, kw["block_tables"],
                                 kw["cu_seqlens_q"], used_kv_lens=kw["used_kv_lens"], block_size=kw["block_size"],
                                 topk=max(1, base.msb), causal=kw["causal"], softmax_scale=kw["softmax_scale"],
-                                backend=backend, return_lse=True)
+                                kv_layout=kw["kv_layout"], backend=backend, return_lse=True)
 
 
 def _block_scores(kw: dict, base: AttentionProblem, backend):
     iq, _ = _index_inputs(kw, base)
     return psa.block_scores(iq, kw["k_cache"], kw["block_tables"], kw["cu_seqlens_q"], kw["used_kv_lens"],
                             block_size=kw["block_size"], softmax_scale=kw["softmax_scale"], causal=kw["causal"],
-                            backend=backend)
+                            kv_layout=kw["kv_layout"], backend=backend)
 
 
 def _select_topk(kw: dict, base: AttentionProblem, backend):
@@ -366,11 +387,12 @@ def _resident(backend, kw: dict):
     if not backend.capabilities.device_arrays:
         return None
     k, v = kw["k_cache"], kw["v_cache"]
+    layout = _layout_of(kw)
     if not (isinstance(k, np.ndarray) and isinstance(v, np.ndarray) and k.ndim == 4 and k.shape == v.shape
             and k.dtype == v.dtype and k.dtype.name in backend.capabilities.dtypes and k.shape[1] > 0
-            and k.shape[2] > 0 and k.shape[3] > 0):
+            and k.shape[2] > 0 and k.shape[3] > 0 and layout is not None):
         return None
-    return backend.upload_kv_cache(k, v)
+    return backend.upload_kv_cache(k, v, kv_layout=layout)
 
 
 def _check_invalid(backend, case: Case) -> None:
@@ -460,7 +482,7 @@ def _check_valid(backend, case: Case) -> None:
         iq, _ = _index_inputs(kw, case.base)
         want = block_scores_reference(iq, kw["k_cache"], kw["block_tables"], kw["cu_seqlens_q"], kw["used_kv_lens"],
                                       block_size=kw["block_size"], softmax_scale=kw["softmax_scale"],
-                                      causal=kw["causal"])
+                                      causal=kw["causal"], kv_layout=kw["kv_layout"])
         try:
             got = _block_scores(kw, case.base, backend)
         except psa.UnsupportedError as err:
