@@ -132,3 +132,30 @@ def test_R34_index_keys_in_nhd_give_the_same_scores_across_chunks(WgpuBackend, b
     sb = sparse_attention(q, kn, vn, iq, ikn, *args[:2], used_kv_lens=args[2], block_size=4, topk=2,
                           kv_layout="NHD", backend=be)
     assert np.array_equal(sa, sb)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_R34_R32_a_planned_msa_layer_on_resident_nhd_caches_gives_the_bits_of_hnd(WgpuBackend, shared):
+    """The device runtime (one submission per layer, the inversion on the device) with NHD caches
+    and index keys: run and run_sparse equal the HND plan's, device q included."""
+    be = WgpuBackend(required_limits="default")
+    q, k, v, kw = _problem(13)
+    rng = np.random.default_rng(2)
+    hk = 1 if shared else 3
+    ik = rng.standard_normal((12, hk, 2, 4)).astype(np.float32)
+    iq = rng.standard_normal((q.shape[0], 3, 4)).astype(np.float32)
+    got = {}
+    for lay in ("HND", "NHD"):
+        kd, vd = be.upload_kv_cache(to_layout(k, lay), to_layout(v, lay), kv_layout=lay)
+        ikd = be.upload_index_cache(to_layout(ik, lay), kv_layout=lay)
+        plan = psa.plan_attention(kw["block_tables"], kw["cu_seqlens_q"], kw["used_kv_lens"], block_size=4, page_size=2,
+                                  num_q_heads=6, num_kv_heads=3, head_dim=8, kv_dtype=np.float32, topk=2, causal=True,
+                                  index_dim=4, num_index_heads=hk, kv_layout=lay, backend=be)
+        dense = plan.run(q, kd, vd, kw["selected"], return_lse=True)
+        msa = plan.run_sparse(q, kd, vd, iq, ikd, return_lse=True)
+        on_device = plan.run(be.asarray(q), kd, vd, be.asarray(kw["selected"].astype(np.int32)))
+        got[lay] = (*dense, *msa, on_device.numpy())
+        plan.close()
+    assert all(np.array_equal(a, b) for a, b in zip(got["HND"], got["NHD"]))
+    ref, _ = psa.dense_reference(q, k, v, **kw, causal=True)
+    assert np.allclose(got["NHD"][0], ref, atol=1e-5)
