@@ -8,7 +8,11 @@ import pytest
 
 import paged_sparse_attn as psa
 from paged_sparse_attn.backends.numpy_backend import hnd_view
-from paged_sparse_attn.index_branch import block_scores, block_scores_reference, sparse_attention
+from paged_sparse_attn.index_branch import (
+    block_scores,
+    block_scores_reference,
+    sparse_attention,
+)
 from paged_sparse_attn.testing.problem import to_layout
 
 rng = np.random.default_rng(11)

@@ -111,7 +111,7 @@ def test_R34_an_undeclared_layout_is_refused(backend, data):
         saved = {n: getattr(backend, n) for n in ("forward", "forward_partials")}
         try:
             for n in saved:  # the refusal comes first: the backend is never asked to compute
-                setattr(backend, n, lambda *a, _n=n, **k: calls.append(_n))
+                setattr(backend, n, lambda *a, _n=n, _calls=calls, **k: _calls.append(_n))
             with pytest.raises(psa.UnsupportedError, match=r"kv_layout.*\[R18\]"):
                 q.forward(backend)
             with pytest.raises(psa.UnsupportedError, match=r"kv_layout.*\[R18\]"):
