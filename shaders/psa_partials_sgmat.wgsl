@@ -10,6 +10,7 @@
 //   0 params  uniform              Params
 //   1 q       storage, read        vec4<f32> [n_qrows * G * D / 4]  (D % 16 == 0)
 //   2 k_cache storage, read        vec4<u32> [n_slabs_in_chunk * S * D / 8]: 8 float16 per unit
+//                                  (with RH > 1, an NHD cache: whole pages, as psa_partials.wgsl)
 //   3 v_cache storage, read        vec4<u32>, same layout
 //   4 plan    storage, read        u32 plan words, as psa_partials.wgsl
 //   5 o_out   storage, read_write  f32 [n_prows * D]
@@ -81,6 +82,7 @@ diagnostic(off, chromium.subgroup_matrix_uniformity);
 
 override D: u32;
 override S: u32;
+override RH: u32 = 1u;                     // KV heads interleaved per page row: 1 (HND) or Hkv (NHD, R34)
 override TK: u32;
 override BK: u32;
 override RMAX: u32;
@@ -346,7 +348,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (k < max_len) {
             let slab = plan[pages + k / S];
             if (slab != INVALID) {
-                row = (slab * params.slab_stride + (k % S) * TD) / 2u;
+                // R34: HND (RH = 1) slab * slab_stride + off * TD; NHD the page's row off * RH +
+                // head, with page slab / RH and head slab % RH (as psa_partials.wgsl)
+                let page = slab / RH;
+                row = (page * RH * params.slab_stride + ((k % S) * RH + (slab - page * RH)) * TD) / 2u;
             }
         }
         key_src[k] = row;

@@ -159,3 +159,65 @@ def test_R34_R32_a_planned_msa_layer_on_resident_nhd_caches_gives_the_bits_of_hn
     assert all(np.array_equal(a, b) for a, b in zip(got["HND"], got["NHD"]))
     ref, _ = psa.dense_reference(q, k, v, **kw, causal=True)
     assert np.allclose(got["NHD"][0], ref, atol=1e-5)
+
+
+# (kernel, float16 variant, constants the host could pick): every kernel that reads a cache or index keys
+_RH_PIPELINES = [
+    ("psa_partials.wgsl", False, {"D": 8, "S": 2, "TK": 8, "RMAX": 8, "WG": 64, "TD": 2}),
+    ("psa_partials.wgsl", True, {"D": 64, "S": 16, "TK": 16, "RMAX": 16, "WG": 64, "TD": 16}),
+    ("psa_partials_decode.wgsl", True, {"D": 64, "S": 16, "NG": 8, "WG": 32, "TD": 16, "EU": 8, "R": 8, "SG": 32}),
+    ("psa_block_scores.wgsl", False, {"DV": 2, "S": 4, "BS": 16, "DCV": 2, "RT": 8}),
+    ("psa_block_scores_decode.wgsl", True, {"DV": 2, "S": 4, "BS": 16, "WG": 128, "NR": 8}),
+]
+
+
+@pytest.mark.parametrize("kernel, f16, constants", _RH_PIPELINES, ids=lambda x: str(x)[:28])
+def test_R34_the_nhd_pipelines_pass_tint(kernel, f16, constants):
+    """Each cache-reading kernel specialised for an NHD cache of 3 heads (RH = 3) is a valid
+    pipeline under Tint (Dawn's Null adapter, no GPU); naga builds them in the tests above."""
+    from types import SimpleNamespace
+
+    from paged_sparse_attn.backends.wgpu._kernels import SGMAT_SHAPE, kernel_source
+    from paged_sparse_attn.backends.wgpu._runtime import DAWN
+
+    if not DAWN.installed():
+        pytest.skip(DAWN.install_hint)
+    from paged_sparse_attn.backends.wgpu._shader_check import _null_device
+
+    device = _null_device()
+    try:
+        if f16 and "shader-f16" not in device.features:
+            pytest.skip("Dawn's Null adapter has no shader-f16 here")
+        ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
+        module = device.create_shader_module(code=kernel_source(ctx, kernel, f16=f16), label=kernel)
+        device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                               "constants": {**constants, "RH": 3}})
+    finally:
+        device.destroy()
+
+
+def test_R34_the_sgmat_kernel_takes_rh_under_tint():
+    """The subgroup-matrix partials kernel declares RH too: with RH = 3 Tint refuses its pipeline
+    only for the workgroup memory the host counts (the Null adapter allows 16 KiB), as without."""
+    from types import SimpleNamespace
+
+    from paged_sparse_attn.backends.wgpu import _sgmat
+    from paged_sparse_attn.backends.wgpu._kernels import SGMAT_SHAPE, kernel_source
+    from paged_sparse_attn.backends.wgpu._runtime import DAWN
+
+    if not DAWN.installed():
+        pytest.skip(DAWN.install_hint)
+    from paged_sparse_attn.backends.wgpu._shader_check import _null_device
+
+    ctx_geom = SimpleNamespace(sgmat=frozenset({SGMAT_SHAPE}), workgroup_storage=49152, max_invocations=1024,
+                               subgroup=(32, ""))
+    g = _sgmat.choose_sgmat_geometry(ctx_geom, D=64, S=16, G=8, block_size=64, rows_needed=8, kv_itemsize=2)
+    device = _null_device()
+    try:
+        ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
+        module = device.create_shader_module(code=kernel_source(ctx, "psa_partials_sgmat.wgsl"), label="sgmat")
+        with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
+            device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                                   "constants": {**g.constants(), "RH": 3}})
+    finally:
+        device.destroy()
