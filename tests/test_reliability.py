@@ -554,6 +554,11 @@ def _dup_first_edge(ix):
     return dataclasses.replace(ix, **f, slot_ptr=sp, row_ptr=rp, row_edges=re)
 
 
+def _relayout(ix, **changes):
+    """The index with fields of its layout replaced (the layout is one record, shared)."""
+    return dataclasses.replace(ix, layout=dataclasses.replace(ix.layout, **changes))
+
+
 # name -> (tampering, rule); each yields an index build_kvouter_index cannot have made
 TAMPER = {
     "edge_len one longer (reads past L_b or into the future)":
@@ -575,12 +580,14 @@ TAMPER = {
     "row_ptr past E": (lambda ix: dataclasses.replace(ix, row_ptr=_shift(ix.row_ptr, -1, 1)), "R13"),
     "slot_ptr shifted": (lambda ix: dataclasses.replace(ix, slot_ptr=_shift(ix.slot_ptr, 1, 1)), "R13"),
     "a repeated edge": (_dup_first_edge, "R13"),
-    "used_kv_lens longer than the edges say": (lambda ix: dataclasses.replace(
+    "used_kv_lens longer than the edges say": (lambda ix: _relayout(
         ix, used_kv_lens=np.minimum(ix.used_kv_lens + 1, ix.msb * ix.block_size).astype(np.int32)), "R13"),
-    "causal flipped": (lambda ix: dataclasses.replace(ix, causal=not ix.causal), "R13"),
-    "cu_seqlens_q moved": (lambda ix: dataclasses.replace(ix, cu_seqlens_q=_shift(ix.cu_seqlens_q, 1, 1)), "R13"),
-    "msb larger than the table": (lambda ix: dataclasses.replace(ix, msb=ix.msb + 1), "R13"),
-    "block_tables holds -2": (lambda ix: dataclasses.replace(ix, block_tables=np.where(
+    "causal flipped": (lambda ix: _relayout(ix, causal=not ix.causal), "R13"),
+    "cu_seqlens_q moved": (lambda ix: _relayout(ix, cu_seqlens_q=_shift(ix.cu_seqlens_q, 1, 1)), "R13"),
+    "page_size other than the cache's": (lambda ix: _relayout(ix, page_size=ix.page_size * 2,
+                                                              block_size=ix.block_size * 2), "R13"),
+    "layout not a SeqLayout": (lambda ix: dataclasses.replace(ix, layout=vars(ix.layout)), "R13"),
+    "block_tables holds -2": (lambda ix: _relayout(ix, block_tables=np.where(
         ix.block_tables < 0, -2, ix.block_tables).astype(np.int32)), "R2"),
     "int64 edge arrays": (lambda ix: dataclasses.replace(ix, edge_len=ix.edge_len.astype(np.int64)), "R13"),
     "a list instead of an array": (lambda ix: dataclasses.replace(ix, edge_query=ix.edge_query.tolist()), "R13"),
@@ -611,8 +618,11 @@ def test_R13_a_rebuilt_index_passes_and_is_exact(backend):
     """The deep checks accept what build_kvouter_index makes (a copy of it included)."""
     pb = _poisoned()
     ix = _index(pb)
-    copy = dataclasses.replace(ix, **{f.name: np.array(getattr(ix, f.name)) for f in dataclasses.fields(ix)
-                                      if isinstance(getattr(ix, f.name), np.ndarray)})
+    def arrays_copied(rec):
+        return dataclasses.replace(rec, **{f.name: np.array(getattr(rec, f.name)) for f in dataclasses.fields(rec)
+                                           if isinstance(getattr(rec, f.name), np.ndarray)})
+
+    copy = dataclasses.replace(arrays_copied(ix), layout=arrays_copied(ix.layout))
     ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
     out, lse = psa.combine_partials(psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, copy, backend=backend), copy)
     assert_attention_close(out, ref, dtype=np.float32, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")

@@ -18,8 +18,7 @@ def _fwd(pr, backend, **kw):
 
 def _problem_and_index(pr, k, v):
     p = validate_forward("t", pr.q, k, v, pr.block_tables, pr.selected, pr.cu_seqlens_q, **pr.kwargs)
-    idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                             block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    idx = build_index_arrays(p.selected, p.layout)
     return p, idx
 
 

@@ -24,12 +24,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..._types import (
+    AttentionInputs,
     Availability,
     Capabilities,
     DeviceArray,
     KVOuterIndex,
     Partials,
-    Problem,
 )
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
@@ -290,7 +290,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- plans and device arrays (R30, R32) -------------------------------------------------------
 
-    def plans_forward(self, problem: Problem) -> bool:
+    def plans_forward(self, problem: AttentionInputs) -> bool:
         """Device-resident caches of one storage binding each: ``forward()`` takes the plan path."""
         k, v = problem.k_cache, problem.v_cache
         return (isinstance(k, WgpuArray) and isinstance(v, WgpuArray) and k.backend is self and v.backend is self
@@ -338,7 +338,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- the forward pipeline ----------------------------------------------------------------------
 
-    def _cache_layout(self, problem: Problem, view: IndexView, fn: str) -> tuple[CacheLayout, str]:
+    def _cache_layout(self, problem: AttentionInputs, view: IndexView, fn: str) -> tuple[CacheLayout, str]:
         """Where the caches of a call live, decided without allocating anything.
 
         Returns the layout and what must be uploaded: ``"none"`` (both resident), ``"k"`` or
@@ -360,7 +360,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             return dev[0].layout, ("v" if dev[0] is k else "k")
         return CacheLayout.make(k.shape, k.dtype, ctx.binding_size, slab_ids=view.needed_slabs()), "both"
 
-    def _cache_upload(self, problem: Problem, layout: CacheLayout, upload: str):
+    def _cache_upload(self, problem: AttentionInputs, layout: CacheLayout, upload: str):
         """(k chunk buffers, v chunk buffers, temporaries to free after the call)."""
         k, v = problem.k_cache, problem.v_cache
         dev = self._device().device
@@ -383,7 +383,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- the forward pipeline ----------------------------------------------------------------------
 
-    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+    def forward_partials(self, problem: AttentionInputs, index: KVOuterIndex) -> Partials:
         Hkv = index.num_kv_heads
         G = problem.num_q_heads // Hkv
         D = problem.head_dim
@@ -397,7 +397,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         m = np.where(l != 0, ml[:, 0], np.float32(-np.inf)).astype(np.float32)
         return Partials(o.reshape(E, G, D), m.reshape(E, G), l.reshape(E, G))
 
-    def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, problem: AttentionInputs, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
         Tq, Hq, D = problem.q.shape
         o = np.zeros((Tq * Hq, D), dtype=np.float32)
         ml = np.zeros((Tq * Hq, 2), dtype=np.float32)
@@ -417,7 +417,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             return True
         return False
 
-    def _run(self, problem: Problem, index: KVOuterIndex, mode: str, o: np.ndarray, ml: np.ndarray) -> None:
+    def _run(self, problem: AttentionInputs, index: KVOuterIndex, mode: str, o: np.ndarray, ml: np.ndarray) -> None:
         with self._lock:
             resident = any(isinstance(a, DeviceArray) for a in (problem.k_cache, problem.v_cache))
             for attempt in (0, 1):
