@@ -61,7 +61,7 @@ class Allocations:
     def left_behind(self, backend) -> list:
         """Buffers made in the block, not destroyed, and not kept by ``backend`` on purpose (its
         scratch and per-call buffer pool, reused by the next call)."""
-        ctx = backend._ctx
+        ctx = backend.device_context
         kept = set()
         if ctx is not None:
             kept = {id(b) for b in list(ctx.pool.values()) + list(ctx.scratch or ())}
@@ -289,18 +289,18 @@ def test_device_loss_is_survived_with_a_new_device(WgpuBackend):
     ix = pb.build_index()
     want_p = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, ix, backend=lossy)
 
-    old = lossy._ctx.device
+    old = lossy.device_context.device
     old.destroy()
     out, lse = psa.forward(*pb.args, **pb.options, backend=lossy, return_lse=True)
-    assert lossy._ctx.device is not old, "the backend must have opened a new device"
+    assert lossy.device_context.device is not old, "the backend must have opened a new device"
     assert out.tobytes() == want.tobytes() and lse.tobytes() == want_lse.tobytes()
 
-    lossy._ctx.device.destroy()
+    lossy.device_context.device.destroy()
     got_p = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, ix, backend=lossy)
     assert got_p.o.tobytes() == want_p.o.tobytes() and got_p.l.tobytes() == want_p.l.tobytes()
 
     kd, vd = lossy.upload_kv_cache(pb.k_cache, pb.v_cache)
-    lossy._ctx.device.destroy()
+    lossy.device_context.device.destroy()
     with pytest.raises(DeviceError, match=r"lost"):
         psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=lossy)
     with pytest.raises(DeviceError, match=r"lost or closed; upload it again"):
@@ -309,7 +309,7 @@ def test_device_loss_is_survived_with_a_new_device(WgpuBackend):
     out = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=lossy)
     assert out.tobytes() == want.tobytes()
 
-    lossy._ctx.device.destroy()  # an upload to a lost device moves to a new one as well
+    lossy.device_context.device.destroy()  # an upload to a lost device moves to a new one as well
     kd, vd = lossy.upload_kv_cache(pb.k_cache, pb.v_cache)
     assert psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=lossy).tobytes() == want.tobytes()
     lossy.close()
@@ -450,7 +450,7 @@ def test_soak_500_mixed_calls_keep_memory_buffers_and_pipelines_bounded(be):
                                    tol=Tolerance(2 * tol.out, 2 * tol.lse), err_msg=f"call {i}:")
         if i % 2:
             bufs.append(wgpu_object_counts().get("Buffer", 0))
-            pipes.append(len(be._ctx.pipelines))
+            pipes.append(len(be.device_context.pipelines))
         rss.append(rss_bytes() or 0)
         if i == warm:
             gc.collect()

@@ -477,7 +477,7 @@ def test_device_failures_become_DeviceError_with_context(be):
 
     with pytest.raises(DeviceError, match=r"test allocation.*bytes=1152921504606846976"):
         with device_errors("test allocation", bytes=1 << 60):
-            be._device().device.create_buffer(size=1 << 60, usage=0x80)
+            be.device_context.device.create_buffer(size=1 << 60, usage=0x80)
 
 
 def test_workgroup_memory_is_checked_against_the_limit():

@@ -87,10 +87,9 @@ def _lanes_fit(backend, D, dtype) -> bool:
     """Whether a key group of this head dim fits the device's subgroups (lavapipe: 8 lanes, so
     rows of at most 8 units; NVIDIA: 32)."""
     from paged_sparse_attn.backends.wgpu._decode import decode_lanes
-    from paged_sparse_attn.backends.wgpu._device import subgroup_size
 
-    size, why = subgroup_size(backend._device())
-    assert size is not None, why  # the devices tested (lavapipe, NVIDIA) have subgroups
+    size = backend.capabilities.limits.get("measured_subgroup_size")
+    assert size is not None  # the devices tested (lavapipe, NVIDIA) have subgroups
     return decode_lanes(D, np.dtype(dtype).itemsize)[1] <= size
 
 
@@ -246,9 +245,7 @@ def test_R9_R14_R19_decode_kernel_key_groups_merge(WgpuBackend, wg, D, dtype, pf
     """One to many key groups per workgroup (WG / R): the groups' (m, l, o) are merged by their
     log-sum-exp weights; every split matches the reference and is deterministic, with and
     without the next chunk's loads in flight."""
-    be = WgpuBackend(partials_kernel="decode")
-    be._decode_wg = wg
-    be._decode_pf = pf
+    be = WgpuBackend(partials_kernel="decode", decode_workgroup_size=wg, decode_prefetch=pf)
     pb = random_problem(31 + wg + D, seqlens_q=(1, 1, 1), G=8, D=D, page_size=8, ppb=4, msb=4, dtype=dtype,
                       used=[128, 77, 5], hole_prob=0.2)
     assert _index(pb).num_edges > 0
@@ -262,7 +259,7 @@ def test_R9_R14_R19_decode_kernel_key_groups_merge(WgpuBackend, wg, D, dtype, pf
 def test_R18_subgroup_size_is_measured_once_per_device(WgpuBackend):
     from paged_sparse_attn.backends.wgpu._device import subgroup_size
 
-    ctx = WgpuBackend(required_limits="default")._device()
+    ctx = WgpuBackend(required_limits="default").device_context
     size, why = subgroup_size(ctx)
     assert why == "" and size >= 8 and size & (size - 1) == 0  # lavapipe 8, NVIDIA 32
     assert subgroup_size(ctx) is ctx.subgroup  # measured once, then kept
@@ -285,18 +282,15 @@ def test_decode_kernel_with_subgroups_wider_than_a_key_group(WgpuBackend):
     import subprocess
     import sys
 
-    from paged_sparse_attn.backends.wgpu._device import subgroup_size
-
     be = WgpuBackend(required_limits="default")
-    size, _ = subgroup_size(be._device())
-    if "llvmpipe" not in be._device().summary:
+    size = be.capabilities.limits.get("measured_subgroup_size")
+    if "llvmpipe" not in be.device_summary:
         assert size is not None and size > 8  # this device's own run covers R < SG
         return
     env = {**os.environ, "LP_NATIVE_VECTOR_WIDTH": "512"}
     probe = subprocess.run([sys.executable, "-c", (
         "from paged_sparse_attn.backends.wgpu import WgpuBackend;"
-        "from paged_sparse_attn.backends.wgpu._device import subgroup_size;"
-        "print(subgroup_size(WgpuBackend()._device())[0])")], env=env, capture_output=True, text=True, timeout=300)
+        "print(WgpuBackend().capabilities.limits['measured_subgroup_size'])")], env=env, capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0 and probe.stdout.strip().splitlines()[-1] == "16", probe.stdout + probe.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "matches_numpy or key_groups or more_pages or deterministic or tiles"],

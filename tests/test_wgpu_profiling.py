@@ -110,11 +110,10 @@ def test_geometry_is_chosen_per_call(WgpuBackend):
     _fwd(decode, be)
     g = be.last_timings["geometry"]
     from paged_sparse_attn.backends.wgpu._decode import DECODE
-    from paged_sparse_attn.backends.wgpu._device import subgroup_size
 
     # the decode kernel's default: one subgroup (key groups of R = 8 lanes: 8 units per row)
     assert g.kernel == DECODE and g.R == 8
-    assert g.WG == max(g.R, subgroup_size(be._device())[0])
+    assert g.WG == max(g.R, be.capabilities.limits["measured_subgroup_size"])
     prefill = random_problem(8, seqlens_q=(12,), G=4, D=64, page_size=4, ppb=4, msb=3, topk=3, used="full")
     _fwd(prefill, be)
     g = be.last_timings["geometry"]

@@ -115,6 +115,13 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         Dawn runtime); a call it cannot run raises likewise. ``"generic"``: ``psa_partials.wgsl``
         (f32 FMAs) always. ``"auto"`` (default): decode when it applies, else sgmat when it
         applies, else generic.
+    decode_workgroup_size : int, optional
+        Invocations per workgroup of the decode kernel, for tuning experiments: rounded up to a
+        power of two that is a multiple of the subgroup size and of the key group (default: one
+        subgroup). The geometry used is reported in :attr:`last_timings` (``"geometry"``).
+    decode_prefetch : bool, optional
+        Whether the decode kernel issues the next chunk's loads before the current chunk's math,
+        for tuning experiments (default: by cache dtype).
     timestamps : bool
         Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
         feature; ignored without it).
@@ -150,7 +157,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                  max_binding_size: int | None = None, max_workgroups_per_dim: int | None = None,
                  disable_features: tuple[str, ...] = (), workgroup_size: int | None = None,
                  timestamps: bool = False, max_device_bytes: int | None = None,
-                 partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False):
+                 partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False,
+                 decode_workgroup_size: int | None = None, decode_prefetch: bool | None = None):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"{type(self).__name__}(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
@@ -185,8 +193,11 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"{type(self).__name__}(): workgroup_size must be in 64..{self._ctx.max_invocations}, got {wg}")
         self._wg = wg  # None: chosen per call (_shape)
         self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
-        self._decode_wg: int | None = None  # decode kernel workgroup size, for tuning experiments
-        self._decode_pf: bool | None = None  # decode kernel prefetch (None: by dtype), for tuning experiments
+        if decode_workgroup_size is not None and not 1 <= int(decode_workgroup_size) <= self._ctx.max_invocations:
+            raise ValueError(f"WgpuBackend(): decode_workgroup_size must be in 1..{self._ctx.max_invocations}, "
+                             f"got {decode_workgroup_size}")
+        self._decode_wg = None if decode_workgroup_size is None else int(decode_workgroup_size)
+        self._decode_pf = None if decode_prefetch is None else bool(decode_prefetch)
         self._profiling = False  # profile_forward: timestamps on every pass
         self._one_pass = False  # profile_forward: one timed pass for the whole call, as forward() encodes it
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call
@@ -248,6 +259,17 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
     @property
     def device_summary(self) -> str:
         return self._device().summary
+
+    @property
+    def device_context(self) -> DeviceContext | None:
+        """The open device and what is kept per device (a diagnostic, read-only; None after
+        :meth:`close`).
+
+        Its ``device`` is the wgpu device, ``pipelines`` the compiled pipelines, ``pool`` and
+        ``scratch`` the buffers reused across calls, ``subgroup`` the measured subgroup size.
+        For tests and tuning: a call after a device loss opens a new context.
+        """
+        return self._ctx
 
     @property
     def capabilities(self) -> Capabilities:
