@@ -9,7 +9,7 @@ from __future__ import annotations
 from ._api import build_kvouter_index, combine_partials, forward, forward_partials
 from ._attention_plan import AttentionPlan, plan_attention
 from ._layout import BatchLayout
-from ._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from ._types import AttentionInputs, Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem, SeqLayout
 from .backends.base import Backend
 from .errors import (
     BackendUnavailableError,
@@ -53,6 +53,8 @@ __all__ = [
     "KVOuterIndex",
     "Partials",
     "Problem",
+    "AttentionInputs",
+    "SeqLayout",
     "PagedSparseAttnError",
     "SpecError",
     "UnsupportedError",

@@ -38,6 +38,9 @@ class AttentionProblem:
     values : str
         How the float data were made (e.g. ``"normal(seed=3)"``): with the index arrays shown by
         ``repr`` it is enough to rebuild the problem from a failure report.
+    poisoned_cells : int
+        Cache cells no query attends that hold NaN / +Inf / -Inf (R10), 0 for none
+        (``generate.poison_unattended``).
     """
 
     q: np.ndarray
@@ -51,6 +54,7 @@ class AttentionProblem:
     softmax_scale: float | None = None
     causal: bool = False
     values: str = field(default="", compare=False)
+    poisoned_cells: int = field(default=0, compare=False)
 
     # --- sizes -------------------------------------------------------------------------------
     @property
@@ -126,6 +130,18 @@ class AttentionProblem:
     def kwargs(self) -> dict[str, Any]:
         """Every argument of ``forward`` / ``dense_reference`` by keyword."""
         return {name: getattr(self, name) for name in FORWARD_ARGS}
+
+    @property
+    def args(self) -> tuple:
+        """The positional arguments of ``forward``: ``(q, k_cache, v_cache, block_tables,
+        selected, cu_seqlens_q)``."""
+        return tuple(getattr(self, name) for name in FORWARD_ARGS[:6])
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``forward`` after ``args``: ``used_kv_lens``, ``block_size``,
+        ``softmax_scale``, ``causal``."""
+        return {name: getattr(self, name) for name in FORWARD_ARGS[6:]}
 
     def replace(self, **changes: Any) -> AttentionProblem:
         """A copy with some fields replaced (arrays are not copied)."""
