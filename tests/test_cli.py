@@ -332,25 +332,6 @@ def test_problem_is_paged_scrambled_with_holes_and_poison_R10():
                 assert np.isfinite(p.k_cache[page, :, pos % 16]).all() == (pos < p.lens[b])
 
 
-def test_random_selection_keeps_local_block_R9():
-    rng = np.random.default_rng(0)
-    cu, lens = np.array([0, 1, 6, 9]), np.array([100, 64, 2])
-    sel = demo.random_local_topk(cu, lens, num_kv_heads=2, msb=4, block_size=32, topk=3, rng=rng)
-    assert sel.shape == (9, 2, 3) and sel.dtype == np.int32
-    for b in range(3):
-        T = cu[b + 1] - cu[b]
-        for i in range(T):
-            last = lens[b] - T + i
-            row = sel[cu[b] + i]
-            if last < 0:
-                assert (row == -1).all()  # the query sees nothing
-                continue
-            for h in range(2):
-                ids = row[h][row[h] >= 0]
-                assert last // 32 in ids and (ids <= last // 32).all()
-                assert len(set(ids.tolist())) == len(ids) == min(3, last // 32 + 1)
-
-
 def test_sparsity_counts_match_attended_sets_R9():
     p = demo.make_problem(SMALL_SIZES, seed=2)
     S, BS = 8, 32

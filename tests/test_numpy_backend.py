@@ -11,7 +11,8 @@ import pytest
 
 import paged_sparse_attn as psa
 from paged_sparse_attn.backends import numpy_backend
-from _problems import assert_close_to_reference, make_problem, tolerance
+from paged_sparse_attn.testing import assert_attention_close, tolerance
+from paged_sparse_attn.testing.generate import random_problem
 
 f32 = np.float32
 
@@ -51,11 +52,11 @@ def _grid(n=56):
 
 @pytest.mark.parametrize("seed,cfg", _grid())
 def test_numpy_backend_matches_dense_reference(seed, cfg):
-    pb = make_problem(seed, **cfg)
-    out, lse = psa.forward(*pb.args, **pb.kwargs, backend="numpy", return_lse=True)
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
+    pb = random_problem(seed, **cfg)
+    out, lse = psa.forward(*pb.args, **pb.options, backend="numpy", return_lse=True)
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
     assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close_to_reference(out, ref, COMPUTE, lse=lse, ref_lse=ref_lse, what=f"seed {seed}")
+    assert_attention_close(out, ref, dtype=COMPUTE, lse=lse, ref_lse=ref_lse, err_msg=f"seed {seed}")
 
 
 def _direct_partials(pb, ix):
@@ -85,20 +86,19 @@ def _direct_partials(pb, ix):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_R14_partials_match_a_direct_per_edge_recomputation(seed):
-    pb = make_problem(seed, seqlens_q=(3, 0, 2), G=(1, 2, 3)[seed % 3], causal=bool(seed % 2), msb=3,
+    pb = random_problem(seed, seqlens_q=(3, 0, 2), G=(1, 2, 3)[seed % 3], causal=bool(seed % 2), msb=3,
                       page_size=(1, 2, 4)[seed % 3], ppb=2, hole_prob=0.3, used="random")
-    ix = psa.build_kvouter_index(pb.selected, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens,
-                                 **pb.index_kwargs())
+    ix = pb.build_index()
     pt = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, ix, backend="numpy")
     o, m, l = _direct_partials(pb, ix)
     assert pt.o.shape == o.shape and pt.m.dtype == np.float32
     np.testing.assert_array_equal(np.isneginf(pt.m), np.isneginf(m))
-    tol = tolerance(COMPUTE)
+    tol = tolerance(COMPUTE).out
     fin = np.isfinite(m)
     assert (np.abs(pt.m[fin] - m[fin]) <= tol * np.maximum(1, np.abs(m[fin]))).all()
     assert (np.abs(pt.l - l) <= tol * np.maximum(1, l)).all()
     assert (pt.l[~fin] == 0).all() and (pt.o[~fin] == 0).all()
-    assert_close_to_reference(pt.o, o, COMPUTE, what="partials o")
+    assert_attention_close(pt.o, o, dtype=COMPUTE, err_msg="partials o")
 
 
 def _contiguous_problem(seed, L, T, D=4, Hkv=2, G=2, S=2, ppb=2, causal=True):
@@ -111,8 +111,8 @@ def _contiguous_problem(seed, L, T, D=4, Hkv=2, G=2, S=2, ppb=2, causal=True):
     vc = rng.standard_normal((P, Hkv, S, D)).astype(f32)
     q = rng.standard_normal((T, Hkv * G, D)).astype(f32)
     sel = np.tile(rng.permutation(msb), (T, Hkv, 1))  # every block, in a scrambled slot order
-    pb = make_problem(0, poison=False)  # only for the container type
-    pb = pb.with_(q=q, k_cache=kc, v_cache=vc, block_tables=np.arange(P)[None, :], selected=sel,
+    pb = random_problem(0, poison=False)  # only for the container type
+    pb = pb.replace(q=q, k_cache=kc, v_cache=vc, block_tables=np.arange(P)[None, :], selected=sel,
                   cu_seqlens_q=np.array([0, T]), used_kv_lens=np.array([L]), block_size=BS, causal=causal,
                   softmax_scale=None)
     K = kc.transpose(0, 2, 1, 3).reshape(P * S, Hkv, D)[:L]
@@ -139,33 +139,32 @@ def _plain_attention(q, K, V, causal):
 def test_full_selection_equals_plain_dense_attention(L, T, causal):
     pb, K, V = _contiguous_problem(L * 31 + T, L, T, causal=causal)
     plain = _plain_attention(pb.q, K, V, causal)
-    out = psa.forward(*pb.args, **pb.kwargs, backend="numpy")
-    ref, _ = psa.dense_reference(*pb.args, **pb.kwargs)
-    assert_close_to_reference(out, plain, f32, what="numpy vs plain")
-    assert_close_to_reference(ref, plain, f32, what="dense_reference vs plain")
+    out = psa.forward(*pb.args, **pb.options, backend="numpy")
+    ref, _ = psa.dense_reference(*pb.args, **pb.options)
+    assert_attention_close(out, plain, dtype=f32, err_msg="numpy vs plain")
+    assert_attention_close(ref, plain, dtype=f32, err_msg="dense_reference vs plain")
 
 
 def test_small_chunks_give_the_same_result(monkeypatch):
     # the backend cuts slot groups into chunks bounded by _CHUNK_ELEMS; force many tiny chunks
-    pb = make_problem(21, seqlens_q=(6, 5, 3), msb=4, topk=4, fill=0.8, G=3, D=5, causal=True)
-    whole = psa.forward(*pb.args, **pb.kwargs, backend="numpy", return_lse=True)
+    pb = random_problem(21, seqlens_q=(6, 5, 3), msb=4, topk=4, fill=0.8, G=3, D=5, causal=True)
+    whole = psa.forward(*pb.args, **pb.options, backend="numpy", return_lse=True)
     monkeypatch.setattr(numpy_backend, "_CHUNK_ELEMS", 1)
-    tiny = psa.forward(*pb.args, **pb.kwargs, backend="numpy", return_lse=True)
-    assert_close_to_reference(tiny[0], whole[0].astype(np.float64), f32, lse=tiny[1],
+    tiny = psa.forward(*pb.args, **pb.options, backend="numpy", return_lse=True)
+    assert_attention_close(tiny[0], whole[0].astype(np.float64), dtype=f32, lse=tiny[1],
                               ref_lse=whole[1].astype(np.float64))
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
-    assert_close_to_reference(tiny[0], ref, f32, lse=tiny[1], ref_lse=ref_lse)
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
+    assert_attention_close(tiny[0], ref, dtype=f32, lse=tiny[1], ref_lse=ref_lse)
 
 
 def test_many_queries_share_one_block():
     # a slot group with many edges (the KV-outer case the design is for): 24 queries, one block
-    pb = make_problem(5, seqlens_q=(24,), msb=8, topk=1, fill=1.0, hole_prob=0.0, G=4, D=8, causal=True,
+    pb = random_problem(5, seqlens_q=(24,), msb=8, topk=1, fill=1.0, hole_prob=0.0, G=4, D=8, causal=True,
                       used="full")
     pb.selected[:] = 1
-    out, lse = psa.forward(*pb.args, **pb.kwargs, backend="numpy", return_lse=True)
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
-    assert_close_to_reference(out, ref, f32, lse=lse, ref_lse=ref_lse)
-    ix = psa.build_kvouter_index(pb.selected, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens,
-                                 **pb.index_kwargs())
+    out, lse = psa.forward(*pb.args, **pb.options, backend="numpy", return_lse=True)
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
+    assert_attention_close(out, ref, dtype=f32, lse=lse, ref_lse=ref_lse)
+    ix = pb.build_index()
     assert ix.num_slots == pb.selected.shape[1]  # one slot group per KV head
     assert ix.num_edges == 24 * pb.selected.shape[1]  # block 1 starts at 4 < 32 - 24 + 1: nobody drops it

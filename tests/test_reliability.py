@@ -31,7 +31,8 @@ from paged_sparse_attn.testing import strategies as pst
 from paged_sparse_attn.testing.assertions import assert_attention_close, tolerance
 from paged_sparse_attn.testing.problem import FORWARD_ARGS, AttentionProblem, to_layout
 
-from _problems import attended_mask, make_problem
+from paged_sparse_attn.testing.generate import random_problem
+from paged_sparse_attn.testing.oracle import attended_mask
 
 # --- the spy -------------------------------------------------------------------------------------
 
@@ -87,15 +88,15 @@ def no_device_work(*backends, methods: tuple[str, ...] = BACKEND_WORK):
 
 def test_the_spy_catches_backend_and_device_work(backend):
     """The spy itself: a valid call inside it is caught (else the R17 tests prove nothing)."""
-    pb = make_problem(1, seqlens_q=(2,))
+    pb = random_problem(1, seqlens_q=(2,))
     with no_device_work(backend) as hits, pytest.raises(AssertionError, match="R17"):
-        psa.forward(*pb.args, **pb.kwargs, backend=backend)
+        psa.forward(*pb.args, **pb.options, backend=backend)
     assert hits and hits[0] == f"{backend.name}.forward()"
     if backend.capabilities.device_arrays:  # a GPU backend: its device calls are trapped too
         with no_device_work(methods=()) as hits, pytest.raises(AssertionError, match="R17"):
-            psa.forward(*pb.args, **pb.kwargs, backend=backend)
+            psa.forward(*pb.args, **pb.options, backend=backend)
         assert hits and hits[0].startswith("wgpu ")
-    out = psa.forward(*pb.args, **pb.kwargs, backend=backend)  # everything restored
+    out = psa.forward(*pb.args, **pb.options, backend=backend)  # everything restored
     assert out.shape == pb.q.shape
 
 
@@ -510,12 +511,12 @@ def test_R17_one_corrupted_field_is_refused_by_every_public_function_before_devi
 
 def _poisoned():
     """A problem whose unattended cache cells all hold NaN/Inf (R10): any stray read shows."""
-    return make_problem(5, seqlens_q=(2, 3, 1), Hkv=2, G=2, D=4, page_size=2, ppb=2, msb=3, used="random",
+    return random_problem(5, seqlens_q=(2, 3, 1), Hkv=2, G=2, D=4, page_size=2, ppb=2, msb=3, used="random",
                         poison=True, causal=True)
 
 
 def _index(pb, **over):
-    kw = dict(pb.index_kwargs())
+    kw = dict(block_size=pb.block_size, page_size=pb.page_size, causal=pb.causal)
     kw.update(over)
     return psa.build_kvouter_index(pb.selected, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens, **kw)
 
@@ -539,7 +540,7 @@ def test_R2_R6_out_of_range_ids_are_refused_before_dispatch(backend, where):
         with no_device_work(backend) as hits:
             for k, v in [(pb.k_cache, pb.v_cache)] + ([resident] if resident else []):
                 with pytest.raises(psa.SpecError, match=rf"\[{rule}\]$"):
-                    psa.forward(pb.q, k, v, bt, sel, pb.cu_seqlens_q, **pb.kwargs, backend=backend)
+                    psa.forward(pb.q, k, v, bt, sel, pb.cu_seqlens_q, **pb.options, backend=backend)
         assert not hits
     finally:
         for a in resident or ():
@@ -576,6 +577,11 @@ def _dup_first_edge(ix):
     return dataclasses.replace(ix, **f, slot_ptr=sp, row_ptr=rp, row_edges=re)
 
 
+def _relayout(ix, **changes):
+    """The index with fields of its layout replaced (the layout is one record, shared)."""
+    return dataclasses.replace(ix, layout=dataclasses.replace(ix.layout, **changes))
+
+
 # name -> (tampering, rule); each yields an index build_kvouter_index cannot have made
 TAMPER = {
     "edge_len one longer (reads past L_b or into the future)":
@@ -597,12 +603,14 @@ TAMPER = {
     "row_ptr past E": (lambda ix: dataclasses.replace(ix, row_ptr=_shift(ix.row_ptr, -1, 1)), "R13"),
     "slot_ptr shifted": (lambda ix: dataclasses.replace(ix, slot_ptr=_shift(ix.slot_ptr, 1, 1)), "R13"),
     "a repeated edge": (_dup_first_edge, "R13"),
-    "used_kv_lens longer than the edges say": (lambda ix: dataclasses.replace(
+    "used_kv_lens longer than the edges say": (lambda ix: _relayout(
         ix, used_kv_lens=np.minimum(ix.used_kv_lens + 1, ix.msb * ix.block_size).astype(np.int32)), "R13"),
-    "causal flipped": (lambda ix: dataclasses.replace(ix, causal=not ix.causal), "R13"),
-    "cu_seqlens_q moved": (lambda ix: dataclasses.replace(ix, cu_seqlens_q=_shift(ix.cu_seqlens_q, 1, 1)), "R13"),
-    "msb larger than the table": (lambda ix: dataclasses.replace(ix, msb=ix.msb + 1), "R13"),
-    "block_tables holds -2": (lambda ix: dataclasses.replace(ix, block_tables=np.where(
+    "causal flipped": (lambda ix: _relayout(ix, causal=not ix.causal), "R13"),
+    "cu_seqlens_q moved": (lambda ix: _relayout(ix, cu_seqlens_q=_shift(ix.cu_seqlens_q, 1, 1)), "R13"),
+    "page_size other than the cache's": (lambda ix: _relayout(ix, page_size=ix.page_size * 2,
+                                                              block_size=ix.block_size * 2), "R13"),
+    "layout not a SeqLayout": (lambda ix: dataclasses.replace(ix, layout=vars(ix.layout)), "R13"),
+    "block_tables holds -2": (lambda ix: _relayout(ix, block_tables=np.where(
         ix.block_tables < 0, -2, ix.block_tables).astype(np.int32)), "R2"),
     "int64 edge arrays": (lambda ix: dataclasses.replace(ix, edge_len=ix.edge_len.astype(np.int64)), "R13"),
     "a list instead of an array": (lambda ix: dataclasses.replace(ix, edge_query=ix.edge_query.tolist()), "R13"),
@@ -633,9 +641,12 @@ def test_R13_a_rebuilt_index_passes_and_is_exact(backend):
     """The deep checks accept what build_kvouter_index makes (a copy of it included)."""
     pb = _poisoned()
     ix = _index(pb)
-    copy = dataclasses.replace(ix, **{f.name: np.array(getattr(ix, f.name)) for f in dataclasses.fields(ix)
-                                      if isinstance(getattr(ix, f.name), np.ndarray)})
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
+    def arrays_copied(rec):
+        return dataclasses.replace(rec, **{f.name: np.array(getattr(rec, f.name)) for f in dataclasses.fields(rec)
+                                           if isinstance(getattr(rec, f.name), np.ndarray)})
+
+    copy = dataclasses.replace(arrays_copied(ix), layout=arrays_copied(ix.layout))
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
     out, lse = psa.combine_partials(psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, copy, backend=backend), copy)
     assert_attention_close(out, ref, dtype=np.float32, lse=lse, ref_lse=ref_lse, err_msg=f"[{backend.name}]")
 
@@ -651,7 +662,7 @@ def test_R11_non_finite_attended_data_reaches_only_the_rows_that_attend_it(backe
     NaN; rows that do not attend the cell are untouched (never silently dropped or zeroed).
     "decode" (one query per sequence) is the shape GPU backends may run with a special kernel."""
     seqlens, G = ((3, 2), 2) if shape == "prefill" else ((1, 1, 1), 4)
-    pb = make_problem(11, seqlens_q=seqlens, Hkv=2, G=G, D=4, page_size=2, ppb=2, msb=3, used="full",
+    pb = random_problem(11, seqlens_q=seqlens, Hkv=2, G=G, D=4, page_size=2, ppb=2, msb=3, used="full",
                       poison=False, hole_prob=0.0)
     mask = attended_mask(pb)  # [Tq, Hkv, pos]
     t, h, pos = (int(x[0]) for x in np.nonzero(mask))  # the first attended cell
@@ -661,11 +672,11 @@ def test_R11_non_finite_attended_data_reaches_only_the_rows_that_attend_it(backe
     (k if cache == "k" else v)[page, h, pos % pb.page_size, 1] = value
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref, ref_lse = psa.dense_reference(pb.q, k, v, *pb.args[3:], **pb.kwargs)
-        out, lse = psa.forward(pb.q, k, v, *pb.args[3:], **pb.kwargs, backend=backend, return_lse=True)
+        ref, ref_lse = psa.dense_reference(pb.q, k, v, *pb.args[3:], **pb.options)
+        out, lse = psa.forward(pb.q, k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
         ix = _index(pb)
         out2, lse2 = psa.combine_partials(psa.forward_partials(pb.q, k, v, ix, backend=backend), ix)
-    clean_ref, clean_lse = psa.dense_reference(*pb.args, **pb.kwargs)
+    clean_ref, clean_lse = psa.dense_reference(*pb.args, **pb.options)
     assert not np.array_equal(ref, clean_ref), "the poisoned cell must matter to the reference"
     touched = np.zeros(pb.q.shape[:2], dtype=bool)  # (t, hq) rows whose attended set holds the cell
     for t2 in range(pb.q.shape[0]):
@@ -693,7 +704,7 @@ def test_R12_float16_data_whose_products_overflow_float16_stay_exact(backend, re
     if "float16" not in backend.capabilities.dtypes:
         pytest.skip(f"backend {backend.name!r} does not run float16")
     rng = np.random.default_rng(3)
-    pb = make_problem(12, seqlens_q=(3, 2), Hkv=1, G=2, D=32, page_size=4, ppb=2, msb=3, used="full",
+    pb = random_problem(12, seqlens_q=(3, 2), Hkv=1, G=2, D=32, page_size=4, ppb=2, msb=3, used="full",
                       poison=False, hole_prob=0.0, dtype=np.float16, q_dtype=np.float16)
     sign = lambda shape: rng.choice([-1.0, 1.0], size=shape)  # noqa: E731
     q = (sign(pb.q.shape) * rng.uniform(200, 250, pb.q.shape)).astype(np.float16)
@@ -703,7 +714,7 @@ def test_R12_float16_data_whose_products_overflow_float16_stay_exact(backend, re
     prods = np.abs(np.einsum("thd,psd->thps", q.astype(np.float64), k[:, 0].astype(np.float64)))
     assert prods.max() > 65504, "the products must overflow float16"
     args = (q, k, v, *pb.args[3:])
-    kwargs = {**pb.kwargs, "softmax_scale": scale}
+    kwargs = {**pb.options, "softmax_scale": scale}
     ref, ref_lse = psa.dense_reference(*args, **kwargs)
     out, lse = psa.forward(*args, **kwargs, backend=backend, return_lse=True)
     assert np.isfinite(out).all() and np.isfinite(lse[np.isfinite(ref_lse)]).all()

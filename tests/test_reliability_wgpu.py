@@ -30,7 +30,7 @@ from paged_sparse_attn._resources import peak_rss_bytes, rss_bytes, wgpu_object_
 from paged_sparse_attn.errors import DeviceError, UnsupportedError
 from paged_sparse_attn.testing.assertions import Tolerance, assert_attention_close, tolerance
 
-from _problems import make_problem
+from paged_sparse_attn.testing.generate import random_problem
 from test_reliability import no_device_work
 
 
@@ -61,7 +61,7 @@ class Allocations:
     def left_behind(self, backend) -> list:
         """Buffers made in the block, not destroyed, and not kept by ``backend`` on purpose (its
         scratch and per-call buffer pool, reused by the next call)."""
-        ctx = backend._ctx
+        ctx = backend.device_context
         kept = set()
         if ctx is not None:
             kept = {id(b) for b in list(ctx.pool.values()) + list(ctx.scratch or ())}
@@ -100,7 +100,7 @@ def allocations(fail_after: int | None = None, error=None):
 
 
 def check_result(pb, out, lse=None):
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
     assert_attention_close(out, ref, dtype=pb.k_cache.dtype, lse=lse, ref_lse=None if lse is None else ref_lse)
 
 
@@ -115,9 +115,9 @@ def _bytes(msg: str, pattern: str) -> int:
 def test_R18_a_page_larger_than_a_binding_is_refused_before_allocation(WgpuBackend):
     """One (page, KV head) slab of 8 x 16 floats = 512 bytes cannot be split below a binding."""
     small = WgpuBackend(required_limits="default", max_binding_size=256)
-    pb = make_problem(1, seqlens_q=(2,), Hkv=1, G=1, D=16, page_size=8, ppb=1, msb=2, poison=False)
+    pb = random_problem(1, seqlens_q=(2,), Hkv=1, G=1, D=16, page_size=8, ppb=1, msb=2, poison=False)
     with no_device_work(methods=()) as hits:
-        for call in (lambda: psa.forward(*pb.args, **pb.kwargs, backend=small),
+        for call in (lambda: psa.forward(*pb.args, **pb.options, backend=small),
                      lambda: small.upload_kv_cache(pb.k_cache, pb.v_cache)):
             with pytest.raises(UnsupportedError, match=r"takes 512 bytes, more than the storage binding limit 256"):
                 call()
@@ -152,10 +152,10 @@ def test_R18_max_device_bytes_refuses_before_allocation_with_bytes_needed_and_av
     """The budget check announces what the call will allocate, to the byte, for either partials
     kernel (decode-shaped calls, one query per sequence, may run a specialised one)."""
     seqlens, G = ((3, 2), 2) if shape == "prefill" else ((1, 1, 1), 4)
-    pb = make_problem(2, seqlens_q=seqlens, G=G, D=8, poison=False)
+    pb = random_problem(2, seqlens_q=seqlens, G=G, D=8, poison=False)
     tiny = WgpuBackend(required_limits="default", max_device_bytes=1)
     with no_device_work(methods=()) as hits, pytest.raises(UnsupportedError) as info:
-        psa.forward(*pb.args, **pb.kwargs, backend=tiny)
+        psa.forward(*pb.args, **pb.options, backend=tiny)
     assert not hits, f"{hits[0]} ran before the refusal"
     msg = str(info.value)
     need = _bytes(msg, r"needs (\d+) bytes of device memory")
@@ -165,16 +165,16 @@ def test_R18_max_device_bytes_refuses_before_allocation_with_bytes_needed_and_av
     # exactly enough: the call runs, and allocates exactly what it announced
     exact = WgpuBackend(required_limits="default", max_device_bytes=need)
     with allocations() as rec:
-        out = psa.forward(*pb.args, **pb.kwargs, backend=exact)
+        out = psa.forward(*pb.args, **pb.options, backend=exact)
     check_result(pb, out)
     assert sum(rec.sizes) == need, f"announced {need} bytes, allocated {sum(rec.sizes)}: {rec.sizes}"
     # the scratch stays held: the next identical call needs (and has) the rest
-    out2 = psa.forward(*pb.args, **pb.kwargs, backend=exact)
+    out2 = psa.forward(*pb.args, **pb.options, backend=exact)
     assert out2.tobytes() == out.tobytes()
     exact.close()
     short = WgpuBackend(required_limits="default", max_device_bytes=need - 1)
     with pytest.raises(UnsupportedError, match=rf"needs {need} bytes"):
-        psa.forward(*pb.args, **pb.kwargs, backend=short)
+        psa.forward(*pb.args, **pb.options, backend=short)
     short.close()
 
 
@@ -186,11 +186,11 @@ def _parts(msg: str) -> dict:
 
 
 def test_R18_max_device_bytes_counts_resident_caches(WgpuBackend):
-    pb = make_problem(3, seqlens_q=(2, 2), D=8, poison=False)  # D = 8: no row padding on the device
+    pb = random_problem(3, seqlens_q=(2, 2), D=8, poison=False)  # D = 8: no row padding on the device
     cache = 2 * max(16, pb.k_cache.nbytes)  # resident K and V
     probe = WgpuBackend(required_limits="default", max_device_bytes=1)
     with pytest.raises(UnsupportedError) as info:
-        psa.forward(*pb.args, **pb.kwargs, backend=probe)
+        psa.forward(*pb.args, **pb.options, backend=probe)
     parts = _parts(str(info.value))
     probe.close()
     call = parts.get("call buffers", 0) + parts.get("scratch growth", 0)
@@ -204,11 +204,11 @@ def test_R18_max_device_bytes_counts_resident_caches(WgpuBackend):
     # with the residents held, a call one byte short is refused, naming what they hold
     with no_device_work(methods=()) as hits, pytest.raises(
             UnsupportedError, match=rf"needs {call} bytes .* {call - 1} bytes are available .* {cache} held by resident"):
-        psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=be)
+        psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=be)
     assert not hits, "a refused call allocated"
     kd.release()
     vd.release()
-    out = psa.forward(*pb.args, **pb.kwargs, backend=be)  # released: their memory is available again
+    out = psa.forward(*pb.args, **pb.options, backend=be)  # released: their memory is available again
     check_result(pb, out)
     be.close()
 
@@ -222,21 +222,21 @@ def test_an_allocation_failing_mid_call_leaves_nothing_behind(WgpuBackend, poole
     import wgpu
 
     be = WgpuBackend(required_limits="default", max_device_bytes=None if pooled else 1 << 40)
-    pb = make_problem(4, seqlens_q=(3, 1), D=8, poison=False)
+    pb = random_problem(4, seqlens_q=(3, 1), D=8, poison=False)
     be.close()  # a fresh device for each n below: every allocation of a first call is reached
     with allocations() as rec:
-        want = psa.forward(*pb.args, **pb.kwargs, backend=be)
+        want = psa.forward(*pb.args, **pb.options, backend=be)
     n_alloc = len(rec.made)
     assert n_alloc >= 4 and not rec.left_behind(be), (n_alloc, rec.left_behind(be))
     oom = lambda: wgpu.GPUOutOfMemoryError("simulated out of memory")  # noqa: E731
     for n in range(n_alloc):
         be.close()
         with allocations(fail_after=n, error=oom) as rec, pytest.raises(DeviceError) as info:
-            psa.forward(*pb.args, **pb.kwargs, backend=be)
+            psa.forward(*pb.args, **pb.options, backend=be)
         msg = str(info.value)
         assert "failed (out of memory)" in msg and re.search(r"(bytes|D)=\d+", msg), f"no context: {msg}"
         assert len(rec.made) == n and not rec.left_behind(be), f"allocation {n} failed: buffers left behind"
-        assert psa.forward(*pb.args, **pb.kwargs, backend=be).tobytes() == want.tobytes()
+        assert psa.forward(*pb.args, **pb.options, backend=be).tobytes() == want.tobytes()
     be.close()
 
 
@@ -245,17 +245,17 @@ def test_an_allocation_failing_mid_call_leaves_nothing_behind(WgpuBackend, poole
 def test_a_validation_error_in_pipeline_creation_is_a_DeviceError_and_the_backend_goes_on(be, monkeypatch):
     from paged_sparse_attn.backends.wgpu import _plan
 
-    pb = make_problem(5, seqlens_q=(2, 2), D=8, poison=False)
-    want = psa.forward(*pb.args, **pb.kwargs, backend=be)
+    pb = random_problem(5, seqlens_q=(2, 2), D=8, poison=False)
+    want = psa.forward(*pb.args, **pb.options, backend=be)
     orig = _plan.Geometry.constants
     monkeypatch.setattr(_plan.Geometry, "constants", lambda self: {**orig(self), "WG": 100000})  # no device has it
     with allocations() as rec, pytest.raises(DeviceError) as info:
-        psa.forward(*pb.args, **pb.kwargs, backend=be)
+        psa.forward(*pb.args, **pb.options, backend=be)
     msg = str(info.value)
     assert "pipeline creation of psa_partials.wgsl" in msg and "WG=100000" in msg and "D=8" in msg, msg
     monkeypatch.undo()
     assert not rec.left_behind(be), "the failed call left buffers behind"
-    out = psa.forward(*pb.args, **pb.kwargs, backend=be)
+    out = psa.forward(*pb.args, **pb.options, backend=be)
     assert out.tobytes() == want.tobytes()
 
 
@@ -264,18 +264,18 @@ def test_a_validation_error_at_submission_is_a_DeviceError_and_the_backend_goes_
     when the commands are encoded: DeviceError naming the kernels and sizes; nothing leaks."""
     from paged_sparse_attn.backends.wgpu import backend as wb
 
-    pb = make_problem(6, seqlens_q=(2, 2), D=8, poison=False)
-    want = psa.forward(*pb.args, **pb.kwargs, backend=be)
+    pb = random_problem(6, seqlens_q=(2, 2), D=8, poison=False)
+    want = psa.forward(*pb.args, **pb.options, backend=be)
     orig = wb.grid_dispatches
     monkeypatch.setattr(wb, "grid_dispatches", lambda n, m, **kw: ((f, c, 70000, gy) for f, c, gx, gy in orig(n, m, **kw)))
     with allocations() as rec, pytest.raises(DeviceError) as info:
-        psa.forward(*pb.args, **pb.kwargs, backend=be)
+        psa.forward(*pb.args, **pb.options, backend=be)
     msg = str(info.value)
     assert "forward (psa_partials.wgsl, psa_merge.wgsl) failed (GPUValidationError)" in msg and "D=8" in msg, msg
     assert "70000" in msg, msg
     monkeypatch.undo()
     assert not rec.left_behind(be), "the failed call left buffers behind"
-    out = psa.forward(*pb.args, **pb.kwargs, backend=be)
+    out = psa.forward(*pb.args, **pb.options, backend=be)
     assert out.tobytes() == want.tobytes()
 
 
@@ -284,34 +284,34 @@ def test_device_loss_is_survived_with_a_new_device(WgpuBackend):
     runs on a new device; resident caches died with the old one: DeviceError saying so, and the
     backend accepts a new upload."""
     lossy = WgpuBackend(required_limits="default")
-    pb = make_problem(7, seqlens_q=(3, 2), D=8, poison=False)
-    want, want_lse = psa.forward(*pb.args, **pb.kwargs, backend=lossy, return_lse=True)
-    ix = psa.build_kvouter_index(pb.selected, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens, **pb.index_kwargs())
+    pb = random_problem(7, seqlens_q=(3, 2), D=8, poison=False)
+    want, want_lse = psa.forward(*pb.args, **pb.options, backend=lossy, return_lse=True)
+    ix = pb.build_index()
     want_p = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, ix, backend=lossy)
 
-    old = lossy._ctx.device
+    old = lossy.device_context.device
     old.destroy()
-    out, lse = psa.forward(*pb.args, **pb.kwargs, backend=lossy, return_lse=True)
-    assert lossy._ctx.device is not old, "the backend must have opened a new device"
+    out, lse = psa.forward(*pb.args, **pb.options, backend=lossy, return_lse=True)
+    assert lossy.device_context.device is not old, "the backend must have opened a new device"
     assert out.tobytes() == want.tobytes() and lse.tobytes() == want_lse.tobytes()
 
-    lossy._ctx.device.destroy()
+    lossy.device_context.device.destroy()
     got_p = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, ix, backend=lossy)
     assert got_p.o.tobytes() == want_p.o.tobytes() and got_p.l.tobytes() == want_p.l.tobytes()
 
     kd, vd = lossy.upload_kv_cache(pb.k_cache, pb.v_cache)
-    lossy._ctx.device.destroy()
+    lossy.device_context.device.destroy()
     with pytest.raises(DeviceError, match=r"lost"):
-        psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=lossy)
+        psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=lossy)
     with pytest.raises(DeviceError, match=r"lost or closed; upload it again"):
-        psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=lossy)
+        psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=lossy)
     kd, vd = lossy.upload_kv_cache(pb.k_cache, pb.v_cache)  # a new device takes the upload
-    out = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=lossy)
+    out = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=lossy)
     assert out.tobytes() == want.tobytes()
 
-    lossy._ctx.device.destroy()  # an upload to a lost device moves to a new one as well
+    lossy.device_context.device.destroy()  # an upload to a lost device moves to a new one as well
     kd, vd = lossy.upload_kv_cache(pb.k_cache, pb.v_cache)
-    assert psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=lossy).tobytes() == want.tobytes()
+    assert psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=lossy).tobytes() == want.tobytes()
     lossy.close()
 
 
@@ -337,7 +337,7 @@ def _thread_problems():
     """One problem per thread, of different shapes (and so different pipelines)."""
     shapes = [dict(D=4), dict(D=8, G=1), dict(D=8, page_size=4, ppb=1), dict(D=16, Hkv=1, G=4),
               dict(D=8, dtype=np.float16), dict(D=4, causal=True), dict(D=12, msb=2), dict(D=8, seqlens_q=(4, 0, 2))]
-    return [make_problem(100 + i, **{"seqlens_q": (3, 2), **s}, poison=True) for i, s in enumerate(shapes)]
+    return [random_problem(100 + i, **{"seqlens_q": (3, 2), **s}, poison=True) for i, s in enumerate(shapes)]
 
 
 def _run_threads(work, n: int):
@@ -374,17 +374,16 @@ def test_eight_threads_sharing_one_backend_get_the_single_thread_bits(be, name):
 
     def call(pb, r, resident):
         if r % 3 == 1:
-            ix = psa.build_kvouter_index(pb.selected, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens,
-                                         **pb.index_kwargs())
+            ix = pb.build_index()
             p = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, ix, backend=backend)
             return psa.combine_partials(p, ix)
         k, v = resident if (resident and r % 3 == 2) else (pb.k_cache, pb.v_cache)
-        return psa.forward(pb.q, k, v, *pb.args[3:], **pb.kwargs, backend=backend, return_lse=True)
+        return psa.forward(pb.q, k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
 
     want = []  # one thread first: the expected bits of each kind of call, checked against the reference
     for pb in problems:
         resident = backend.upload_kv_cache(pb.k_cache, pb.v_cache) if name == "wgpu" else None
-        ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
+        ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
         bits = []
         for r in range(3):
             out, lse = call(pb, r, resident)
@@ -419,7 +418,7 @@ SOAK_CALLS = 500
 def _soak_problem(rng):
     """A random small problem of one model's cache geometry (D = 8, pages of 2), as a server sees:
     batches of any composition, lengths, selections, block sizes and dtypes."""
-    return make_problem(int(rng.integers(1 << 30)), seqlens_q=tuple(int(x) for x in rng.integers(0, 4, rng.integers(1, 4))),
+    return random_problem(int(rng.integers(1 << 30)), seqlens_q=tuple(int(x) for x in rng.integers(0, 4, rng.integers(1, 4))),
                         Hkv=int(rng.integers(1, 3)), G=int(rng.choice([1, 2])), D=8, page_size=2,
                         ppb=int(rng.integers(1, 3)), msb=int(rng.integers(1, 4)), causal=bool(rng.integers(2)),
                         dtype=np.float16 if rng.random() < 0.25 else np.float32, used="random",
@@ -443,15 +442,15 @@ def test_soak_500_mixed_calls_keep_memory_buffers_and_pipelines_bounded(be):
     for i in range(SOAK_CALLS):
         pb = _soak_problem(rng)
         backend, other = (be, np_be) if i % 2 else (np_be, be)
-        out, lse = psa.forward(*pb.args, **pb.kwargs, backend=backend, return_lse=True)
+        out, lse = psa.forward(*pb.args, **pb.options, backend=backend, return_lse=True)
         if i % 25 == 0:  # a cross-check now and then: the soak must not trade correctness
-            want, want_lse = psa.forward(*pb.args, **pb.kwargs, backend=other, return_lse=True)
+            want, want_lse = psa.forward(*pb.args, **pb.options, backend=other, return_lse=True)
             tol = tolerance(pb.k_cache.dtype)  # two float32 results: twice the tolerance of one
             assert_attention_close(out, want, dtype=pb.k_cache.dtype, lse=lse, ref_lse=want_lse,
                                    tol=Tolerance(2 * tol.out, 2 * tol.lse), err_msg=f"call {i}:")
         if i % 2:
             bufs.append(wgpu_object_counts().get("Buffer", 0))
-            pipes.append(len(be._ctx.pipelines))
+            pipes.append(len(be.device_context.pipelines))
         rss.append(rss_bytes() or 0)
         if i == warm:
             gc.collect()
@@ -477,7 +476,7 @@ def test_soak_500_mixed_calls_keep_memory_buffers_and_pipelines_bounded(be):
 
 @pytest.mark.parametrize("bad", ["3-D cache", "float64 cache", "k and v differ", "page id >= P", "page shape"])
 def test_R17_uploads_and_page_updates_refuse_bad_input_before_device_work(be, bad):
-    pb = make_problem(8, seqlens_q=(2,), D=8, poison=False)
+    pb = random_problem(8, seqlens_q=(2,), D=8, poison=False)
     k, v = pb.k_cache, pb.v_cache
     kd, vd = be.upload_kv_cache(k, v)
     P = k.shape[0]

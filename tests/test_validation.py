@@ -14,7 +14,8 @@ import pytest
 
 import paged_sparse_attn as psa
 from paged_sparse_attn import registry
-from _problems import assert_close_to_reference, make_problem
+from paged_sparse_attn.testing import assert_attention_close
+from paged_sparse_attn.testing.generate import random_problem
 
 f32 = np.float32
 
@@ -243,7 +244,7 @@ def _check_against_reference(q, k, v, bt, sel, cu, lens=None, block_size=2, caus
                                        causal=causal)
     assert out.shape == ref.shape and lse.shape == ref_lse.shape
     assert out.dtype == np.float32 and lse.dtype == np.float32
-    assert_close_to_reference(out, ref, f32, lse=lse, ref_lse=ref_lse)
+    assert_attention_close(out, ref, dtype=f32, lse=lse, ref_lse=ref_lse)
     return out, lse
 
 
@@ -267,7 +268,7 @@ def test_R6_topk_zero_gives_empty_rows():
 
 
 def test_R3_empty_sequences_between_others():
-    pb = make_problem(7, seqlens_q=(0, 2, 0, 0, 1, 0), used="random")
+    pb = random_problem(7, seqlens_q=(0, 2, 0, 0, 1, 0), used="random")
     _check_against_reference(*pb.args, pb.used_kv_lens, block_size=pb.block_size)
 
 
@@ -282,8 +283,8 @@ def test_R2_no_pages_at_all():
 
 
 def test_R1_non_contiguous_and_read_only_inputs():
-    pb = make_problem(9, seqlens_q=(3, 2), Hkv=2, G=2, D=4, poison=False)
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
+    pb = random_problem(9, seqlens_q=(3, 2), Hkv=2, G=2, D=4, poison=False)
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
     # strided views holding the same values
     q_big = np.zeros((pb.q.shape[0], pb.q.shape[1] * 2, pb.q.shape[2]), f32)
     q_big[:, ::2] = pb.q
@@ -296,18 +297,19 @@ def test_R1_non_contiguous_and_read_only_inputs():
     lens = pb.used_kv_lens.copy()
     for a in [*args, lens]:
         a.flags.writeable = False
-    out, lse = psa.forward(*args, **{**pb.kwargs, "used_kv_lens": lens}, backend="numpy", return_lse=True)
-    assert_close_to_reference(out, ref, f32, lse=lse, ref_lse=ref_lse)
-    ix = psa.build_kvouter_index(sel_f, bt_rev, args[5], lens, **pb.index_kwargs())
+    out, lse = psa.forward(*args, **{**pb.options, "used_kv_lens": lens}, backend="numpy", return_lse=True)
+    assert_attention_close(out, ref, dtype=f32, lse=lse, ref_lse=ref_lse)
+    ix = psa.build_kvouter_index(sel_f, bt_rev, args[5], lens, block_size=pb.block_size, page_size=pb.page_size,
+                                 causal=pb.causal)
     pt = psa.forward_partials(args[0], k_f, v_t, ix, backend="numpy")
     out2, _ = psa.combine_partials(pt, ix)
-    assert_close_to_reference(out2, ref, f32)
+    assert_attention_close(out2, ref, dtype=f32)
 
 
 def test_R17_inputs_are_not_modified():
-    pb = make_problem(10, seqlens_q=(2, 2))
+    pb = random_problem(10, seqlens_q=(2, 2))
     before = [a.copy() for a in pb.args]
-    psa.forward(*pb.args, **pb.kwargs, backend="numpy")
+    psa.forward(*pb.args, **pb.options, backend="numpy")
     for a, b in zip(pb.args, before):
         np.testing.assert_array_equal(a, b)
 
@@ -421,6 +423,6 @@ def test_R18_unsupported_dtype_names_the_backend(clean_registry):
             return psa.Capabilities(dtypes=("float32",))
 
     psa.register_backend("t-f32only", F32Only)
-    pb = make_problem(1, dtype=np.float16)
+    pb = random_problem(1, dtype=np.float16)
     with pytest.raises(psa.UnsupportedError, match=r"'t-f32only'.*float16.*\[R18\]"):
-        psa.forward(*pb.args, **pb.kwargs, backend="t-f32only")
+        psa.forward(*pb.args, **pb.options, backend="t-f32only")

@@ -5,7 +5,7 @@ driver is a failure, not a skip. Devices are opened with WebGPU's *default* limi
 buffers per stage, 128 MiB bindings, 16 KiB workgroup memory) so that portability bugs show up.
 Shapes are small: lavapipe on a CI runner is slow.
 
-Tolerances come from the dtype (``_problems.tolerance``, R20), never from per-test constants.
+Tolerances come from the dtype (``paged_sparse_attn.testing.tolerance``, R20), never from per-test constants.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import pytest
 import paged_sparse_attn as psa
 from paged_sparse_attn.errors import DeviceError, SpecError, UnsupportedError
 
-from _problems import assert_close_to_reference, make_problem, tolerance
+from paged_sparse_attn.testing import assert_attention_close, tolerance
+from paged_sparse_attn.testing.generate import random_problem
 
 # A binding limit small enough to split every cache below into several chunks and every call
 # into several batches, large enough for one (query, KV head) row of these problems.
@@ -49,26 +50,25 @@ def be_nof16(WgpuBackend):
 
 
 def _out_tol(ref: np.ndarray, dtype) -> float:
-    return tolerance(dtype) * max(1.0, float(np.abs(ref).max(initial=0.0)))
+    return tolerance(dtype).out * max(1.0, float(np.abs(ref).max(initial=0.0)))
 
 
 def check(pb, backend):
     """wgpu == dense_reference (dtype tolerance) and == numpy backend; returns (out, lse)."""
     dtype = pb.k_cache.dtype
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
-    out, lse = psa.forward(*pb.args, **pb.kwargs, backend=backend, return_lse=True)
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
+    out, lse = psa.forward(*pb.args, **pb.options, backend=backend, return_lse=True)
     assert out.dtype == np.float32 and lse.dtype == np.float32
     assert out.shape == ref.shape and lse.shape == ref_lse.shape
-    assert_close_to_reference(out, ref, dtype, lse=lse, ref_lse=ref_lse, what="wgpu")
-    out_np, lse_np = psa.forward(*pb.args, **pb.kwargs, backend="numpy", return_lse=True)
+    assert_attention_close(out, ref, dtype=dtype, lse=lse, ref_lse=ref_lse, err_msg="wgpu")
+    out_np, lse_np = psa.forward(*pb.args, **pb.options, backend="numpy", return_lse=True)
     np.testing.assert_allclose(out, out_np, rtol=0, atol=_out_tol(out_np, np.float32))
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_np))
     return out, lse
 
 
 def index_of(pb):
-    return psa.build_kvouter_index(pb.selected, pb.block_tables, pb.cu_seqlens_q, pb.used_kv_lens,
-                                   **pb.index_kwargs())
+    return pb.build_index()
 
 
 def assert_partials_match(p_gpu, p_np):
@@ -78,7 +78,7 @@ def assert_partials_match(p_gpu, p_np):
     np.testing.assert_array_equal(p_gpu.l == 0, p_np.l == 0)
     empty = p_np.l == 0
     assert (p_gpu.o[empty] == 0).all()
-    tol = tolerance(np.float32)
+    tol = tolerance(np.float32).out
     live = ~empty
     np.testing.assert_allclose(p_gpu.m[live], p_np.m[live], rtol=tol, atol=tol)
     np.testing.assert_allclose(p_gpu.l[live], p_np.l[live], rtol=tol)
@@ -154,8 +154,8 @@ GRID = {
 @pytest.mark.parametrize("name", list(GRID))
 def test_R9_R11_R20_forward_matches_numpy_and_dense_reference(be, name, causal, dtype):
     seed = 10 * list(GRID).index(name) + 2 * causal + (dtype is np.float16)
-    pb = make_problem(seed, causal=causal, dtype=dtype, used="random", **GRID[name])
-    assert pb.notes["poisoned_cells"] > 0  # unattended memory holds NaN / Inf (R10)
+    pb = random_problem(seed, causal=causal, dtype=dtype, used="random", **GRID[name])
+    assert pb.poisoned_cells > 0  # unattended memory holds NaN / Inf (R10)
     check(pb, be)
 
 
@@ -181,12 +181,12 @@ def test_R10_nan_in_unmapped_pages_beyond_L_and_unselected_blocks_never_leaks(be
     ref, ref_lse = psa.dense_reference(*args, **kw)
     out, lse = psa.forward(*args, **kw, backend=be, return_lse=True)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
-    assert_close_to_reference(out, ref, np.float32, lse=lse, ref_lse=ref_lse)
+    assert_attention_close(out, ref, dtype=np.float32, lse=lse, ref_lse=ref_lse)
 
 
 def test_R9_causal_queries_before_the_cache_start_see_nothing(be):
     # T_b = 5 > L_b = 3: right-aligned causal gives queries 0 and 1 nothing (L - T + i < 0)
-    pb = make_problem(3, seqlens_q=(5,), Hkv=2, G=2, D=8, page_size=2, ppb=2, msb=2, used=[3],
+    pb = random_problem(3, seqlens_q=(5,), Hkv=2, G=2, D=8, page_size=2, ppb=2, msb=2, used=[3],
                       causal=True, fill=1.0, hole_prob=0.0)
     out, lse = check(pb, be)
     assert np.isneginf(lse[:2]).all() and (out[:2] == 0).all()
@@ -194,12 +194,12 @@ def test_R9_causal_queries_before_the_cache_start_see_nothing(be):
 
 
 def test_R11_empty_rows_are_exactly_zero_with_lse_minus_inf(be):
-    pb = make_problem(4, seqlens_q=(2, 2), Hkv=2, G=2, D=6, page_size=2, ppb=2, msb=3, used=[0, 12])
+    pb = random_problem(4, seqlens_q=(2, 2), Hkv=2, G=2, D=6, page_size=2, ppb=2, msb=3, used=[0, 12])
     pb.selected[1] = -1  # query 1 selects nothing
     out, lse = check(pb, be)
     assert (out[:2] == 0).all() and np.isneginf(lse[:2]).all()  # L_b = 0 and no selection
-    nothing = pb.with_(selected=np.full_like(pb.selected, -1))  # no edge at all
-    out, lse = psa.forward(*nothing.args, **nothing.kwargs, backend=be, return_lse=True)
+    nothing = pb.replace(selected=np.full_like(pb.selected, -1))  # no edge at all
+    out, lse = psa.forward(*nothing.args, **nothing.options, backend=be, return_lse=True)
     assert (out == 0).all() and np.isneginf(lse).all()
 
 
@@ -220,7 +220,7 @@ def test_R12_logits_near_minus_1e6_are_exact(be):
     ref, ref_lse = psa.dense_reference(*args, **kw)
     out, lse = psa.forward(*args, **kw, backend=be, return_lse=True)
     assert (ref_lse < -9.9e5).all() and (np.abs(ref).max(axis=-1) > 0).all()
-    assert_close_to_reference(out, ref, np.float32)
+    assert_attention_close(out, ref, dtype=np.float32)
     ulp = float(np.spacing(np.float32(1e6)))
     assert np.abs(lse.astype(np.float64) - ref_lse).max() <= 2 * ulp
 
@@ -233,7 +233,7 @@ def test_R9_R14_R20_seeded_random_problems_on_the_default_and_split_paths(be, be
               Hkv=int(rng.integers(1, 3)), seqlens_q=tuple(int(x) for x in rng.integers(0, 4, size=3)),
               causal=bool(seed % 2), dtype=[np.float32, np.float16][seed % 3 == 2],
               used=["random", "full", "default"][seed % 3])
-    pb = make_problem(500 + seed, **kw)
+    pb = random_problem(500 + seed, **kw)
     idx = index_of(pb)
     p_np = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend="numpy")
     for backend in (be, be_split_wide):
@@ -243,8 +243,8 @@ def test_R9_R14_R20_seeded_random_problems_on_the_default_and_split_paths(be, be
 
 def test_timestamps_report_kernel_times(WgpuBackend):
     be_ts = WgpuBackend(required_limits="default", timestamps=True)
-    pb = make_problem(60, seqlens_q=(2, 2), used="full")
-    psa.forward(*pb.args, **pb.kwargs, backend=be_ts)
+    pb = random_problem(60, seqlens_q=(2, 2), used="full")
+    psa.forward(*pb.args, **pb.options, backend=be_ts)
     t = be_ts.last_timings
     # the phases are disjoint parts of the call: together they cannot exceed its total
     phases = ("cache_s", "plan_s", "encode_s", "gpu_wait_s", "readback_s")
@@ -261,7 +261,7 @@ def test_R14_forward_partials_match_the_numpy_backend(be, be_split, which):
     backend = be if which == "default" else be_split
     for seed, kw in enumerate([dict(G=3, D=5, page_size=2, ppb=3, msb=3),
                                dict(G=1, D=8, page_size=1, ppb=4, msb=2, causal=True)]):
-        pb = make_problem(40 + seed, seqlens_q=(3, 2), **kw)
+        pb = random_problem(40 + seed, seqlens_q=(3, 2), **kw)
         idx = index_of(pb)
         assert idx.num_edges > 0
         p_gpu = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend=backend)
@@ -271,7 +271,7 @@ def test_R14_forward_partials_match_the_numpy_backend(be, be_split, which):
 
 
 def test_R14_an_edge_on_unmapped_pages_only_is_empty(be):
-    pb = make_problem(5, seqlens_q=(2,), Hkv=1, G=2, D=4, page_size=2, ppb=2, msb=2, used="full",
+    pb = random_problem(5, seqlens_q=(2,), Hkv=1, G=2, D=4, page_size=2, ppb=2, msb=2, used="full",
                       hole_prob=0.0, fill=1.0)
     pb.block_tables[0, 0:2] = -1  # block 0 entirely unmapped
     idx = index_of(pb)
@@ -284,14 +284,14 @@ def test_R14_an_edge_on_unmapped_pages_only_is_empty(be):
 
 
 def test_R15_gpu_combine_equals_combine_of_gpu_partials(be):
-    pb = make_problem(6, seqlens_q=(3, 1), Hkv=2, G=3, D=7, page_size=2, ppb=2, msb=4)
+    pb = random_problem(6, seqlens_q=(3, 1), Hkv=2, G=3, D=7, page_size=2, ppb=2, msb=4)
     idx = index_of(pb)
-    out, lse = psa.forward(*pb.args, **pb.kwargs, backend=be, return_lse=True)
+    out, lse = psa.forward(*pb.args, **pb.options, backend=be, return_lse=True)
     out2, lse2 = psa.combine_partials(psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend=be), idx)
     np.testing.assert_allclose(out, out2, rtol=0, atol=_out_tol(out2, np.float32))
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse2))
     fin = np.isfinite(lse2)
-    np.testing.assert_allclose(lse[fin], lse2[fin], rtol=tolerance(np.float32))
+    np.testing.assert_allclose(lse[fin], lse2[fin], rtol=tolerance(np.float32).out)
 
 
 # --- R18: float16 without shader-f16 -----------------------------------------------------------
@@ -300,12 +300,12 @@ def test_R15_gpu_combine_equals_combine_of_gpu_partials(be):
 def test_R18_float16_raises_unsupported_without_shader_f16(be_nof16):
     assert be_nof16.capabilities.dtypes == ("float32",)
     assert "shader-f16" not in be_nof16.capabilities.features
-    pb = make_problem(8, dtype=np.float16, q_dtype=np.float32)
+    pb = random_problem(8, dtype=np.float16, q_dtype=np.float32)
     with pytest.raises(UnsupportedError, match="float16"):
-        psa.forward(*pb.args, **pb.kwargs, backend=be_nof16)
+        psa.forward(*pb.args, **pb.options, backend=be_nof16)
     with pytest.raises(UnsupportedError, match="shader-f16"):
         be_nof16.upload_kv_cache(pb.k_cache, pb.v_cache)
-    check(make_problem(8), be_nof16)  # float32 still runs
+    check(random_problem(8), be_nof16)  # float32 still runs
 
 
 # --- size limits: binding split, batches, dispatch grids ------------------------------------------
@@ -315,7 +315,7 @@ def test_R18_float16_raises_unsupported_without_shader_f16(be_nof16):
 def test_binding_split_and_batches_match_the_reference(be_split, dtype):
     from paged_sparse_attn.backends.wgpu import _plan
 
-    pb = make_problem(21, seqlens_q=(4, 3), Hkv=2, G=2, D=16, page_size=2, ppb=3, msb=4, dtype=dtype,
+    pb = random_problem(21, seqlens_q=(4, 3), Hkv=2, G=2, D=16, page_size=2, ppb=3, msb=4, dtype=dtype,
                       used="full", causal=True, spare_pages=4)
     k_dev, v_dev = be_split.upload_kv_cache(pb.k_cache, pb.v_cache)
     assert k_dev.layout.n_chunks >= 2  # the cache is split across several bindings
@@ -326,9 +326,9 @@ def test_binding_split_and_batches_match_the_reference(be_split, dtype):
                                  wg_size=64, wg_storage=16384)
     assert len(_plan.plan_forward(view, geom, k_dev.layout.slab_map(), SPLIT_BINDING)) > 1
     check(pb, be_split)  # host caches: compact upload, split
-    out = psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.kwargs)  # resident caches, split
-    ref = psa.dense_reference(*pb.args, **pb.kwargs)[0]
-    assert_close_to_reference(out, ref, dtype)
+    out = psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.options)  # resident caches, split
+    ref = psa.dense_reference(*pb.args, **pb.options)[0]
+    assert_attention_close(out, ref, dtype=dtype)
 
 
 def test_planner_unique_helpers_equal_numpy_unique():
@@ -353,7 +353,7 @@ def test_one_batch_bound_with_several_chunks_is_conservative(be_split, dtype):
     then are those of the per-row path, whose exact costs fit as well."""
     from paged_sparse_attn.backends.wgpu import _plan
 
-    pb = make_problem(22, seqlens_q=(1,) * 6, Hkv=2, G=2, D=16, page_size=2, ppb=3, msb=4, dtype=dtype,
+    pb = random_problem(22, seqlens_q=(1,) * 6, Hkv=2, G=2, D=16, page_size=2, ppb=3, msb=4, dtype=dtype,
                       used="random")
     k_dev, v_dev = be_split.upload_kv_cache(pb.k_cache, pb.v_cache)
     smap = k_dev.layout.slab_map()
@@ -371,8 +371,8 @@ def test_one_batch_bound_with_several_chunks_is_conservative(be_split, dtype):
     rprows, rplan = _plan._edge_costs(view, geom, smap, view.index.row_edges.astype(np.int64))
     assert rprows.sum() <= caps[0] and rplan.sum() <= caps[1]
     assert plans[0].n_prows <= rprows.sum()
-    out = psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.kwargs, backend=be_split)
-    assert_close_to_reference(out, psa.dense_reference(*pb.args, **pb.kwargs)[0], dtype)
+    out = psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.options, backend=be_split)
+    assert_attention_close(out, psa.dense_reference(*pb.args, **pb.options)[0], dtype=dtype)
 
 
 def test_dispatch_grids_split_past_the_workgroup_limit():
@@ -388,7 +388,7 @@ def test_dispatch_grids_split_past_the_workgroup_limit():
 
 def test_more_work_items_than_the_dispatch_limit(be_split):
     # 2 x 2 workgroups per dispatch: dozens of dispatches for the partials and the combine
-    pb = make_problem(22, seqlens_q=(3, 3), Hkv=2, G=1, D=3, page_size=1, ppb=2, msb=5, used="full")
+    pb = random_problem(22, seqlens_q=(3, 3), Hkv=2, G=1, D=3, page_size=1, ppb=2, msb=5, used="full")
     assert index_of(pb).num_edges > 4
     check(pb, be_split)
 
@@ -399,7 +399,7 @@ def test_more_work_items_than_the_dispatch_limit(be_split):
 @pytest.mark.parametrize("which", ["default", "split"])
 def test_device_resident_cache_is_reused_and_updated(be, be_split, which):
     backend = be if which == "default" else be_split
-    pb = make_problem(30, seqlens_q=(2, 2), Hkv=2, G=2, D=5, page_size=3, ppb=2, msb=3,
+    pb = random_problem(30, seqlens_q=(2, 2), Hkv=2, G=2, D=5, page_size=3, ppb=2, msb=3,
                       dtype=np.float16, used="full", poison=False)
     k_dev, v_dev = backend.upload_kv_cache(pb.k_cache, pb.v_cache)
     assert k_dev.shape == pb.k_cache.shape and k_dev.dtype == np.float16 and k_dev.backend is backend
@@ -409,10 +409,10 @@ def test_device_resident_cache_is_reused_and_updated(be, be_split, which):
         q = rng.standard_normal(pb.q.shape).astype(np.float32)
         sel = np.where(rng.random(pb.selected.shape) < 0.3, -1, pb.selected)
         args = (q, k_dev, v_dev, pb.block_tables, sel, pb.cu_seqlens_q)
-        out, lse = psa.forward(*args, **pb.kwargs, return_lse=True)  # backend: the cache's owner
+        out, lse = psa.forward(*args, **pb.options, return_lse=True)  # backend: the cache's owner
         host = (q, pb.k_cache, pb.v_cache, pb.block_tables, sel, pb.cu_seqlens_q)
-        ref, ref_lse = psa.dense_reference(*host, **pb.kwargs)
-        assert_close_to_reference(out, ref, np.float16, lse=lse, ref_lse=ref_lse)
+        ref, ref_lse = psa.dense_reference(*host, **pb.options)
+        assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
     # write new tokens into two pages, as a decode loop does
     pages = np.array([int(pb.block_tables[0, 0]), int(pb.block_tables[1, 1])])
     pages = pages[pages >= 0]
@@ -421,33 +421,33 @@ def test_device_resident_cache_is_reused_and_updated(be, be_split, which):
     backend.update_pages(k_dev, v_dev, pages, k_new, v_new)
     pb.k_cache[pages], pb.v_cache[pages] = k_new, v_new
     np.testing.assert_array_equal(v_dev.to_numpy(), pb.v_cache)
-    out = psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.kwargs)
-    assert_close_to_reference(out, psa.dense_reference(*pb.args, **pb.kwargs)[0], np.float16)
+    out = psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.options)
+    assert_attention_close(out, psa.dense_reference(*pb.args, **pb.options)[0], dtype=np.float16)
     k_dev.release()
     with pytest.raises(DeviceError, match="released"):
-        psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.kwargs)
+        psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.options)
     v_dev.release()
 
 
 def test_one_resident_and_one_host_cache(be):
-    pb = make_problem(31, seqlens_q=(2, 1), used="full")
+    pb = random_problem(31, seqlens_q=(2, 1), used="full")
     k_dev, v_dev = be.upload_kv_cache(pb.k_cache, pb.v_cache)
-    ref = psa.dense_reference(*pb.args, **pb.kwargs)[0]
-    out = psa.forward(pb.q, k_dev, pb.v_cache, *pb.args[3:], **pb.kwargs)
-    assert_close_to_reference(out, ref, np.float32)
-    out = psa.forward(pb.q, pb.k_cache, v_dev, *pb.args[3:], **pb.kwargs)
-    assert_close_to_reference(out, ref, np.float32)
+    ref = psa.dense_reference(*pb.args, **pb.options)[0]
+    out = psa.forward(pb.q, k_dev, pb.v_cache, *pb.args[3:], **pb.options)
+    assert_attention_close(out, ref, dtype=np.float32)
+    out = psa.forward(pb.q, pb.k_cache, v_dev, *pb.args[3:], **pb.options)
+    assert_attention_close(out, ref, dtype=np.float32)
 
 
 def test_R18_a_cache_of_another_backend_instance_is_refused(be, be_split):
-    pb = make_problem(32, used="full")
+    pb = random_problem(32, used="full")
     k_dev, v_dev = be_split.upload_kv_cache(pb.k_cache, pb.v_cache)
     with pytest.raises(UnsupportedError):
-        psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.kwargs, backend=be)
+        psa.forward(pb.q, k_dev, v_dev, *pb.args[3:], **pb.options, backend=be)
 
 
 def test_update_pages_validates_its_arguments(be):
-    pb = make_problem(33, used="full")
+    pb = random_problem(33, used="full")
     k_dev, v_dev = be.upload_kv_cache(pb.k_cache, pb.v_cache)
     P = pb.k_cache.shape[0]
     good = pb.k_cache[:1]
@@ -461,10 +461,10 @@ def test_update_pages_validates_its_arguments(be):
 
 
 def test_R19_same_inputs_give_the_same_bits(be, be_split):
-    pb = make_problem(50, seqlens_q=(3, 2), Hkv=2, G=3, D=9, page_size=2, ppb=2, msb=3)
+    pb = random_problem(50, seqlens_q=(3, 2), Hkv=2, G=3, D=9, page_size=2, ppb=2, msb=3)
     for backend in (be, be_split):
-        a = psa.forward(*pb.args, **pb.kwargs, backend=backend, return_lse=True)
-        b = psa.forward(*pb.args, **pb.kwargs, backend=backend, return_lse=True)
+        a = psa.forward(*pb.args, **pb.options, backend=backend, return_lse=True)
+        b = psa.forward(*pb.args, **pb.options, backend=backend, return_lse=True)
         assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
         idx = index_of(pb)
         p1 = psa.forward_partials(pb.q, pb.k_cache, pb.v_cache, idx, backend=backend)
@@ -477,7 +477,7 @@ def test_device_failures_become_DeviceError_with_context(be):
 
     with pytest.raises(DeviceError, match=r"test allocation.*bytes=1152921504606846976"):
         with device_errors("test allocation", bytes=1 << 60):
-            be._device().device.create_buffer(size=1 << 60, usage=0x80)
+            be.device_context.device.create_buffer(size=1 << 60, usage=0x80)
 
 
 def test_workgroup_memory_is_checked_against_the_limit():

@@ -22,7 +22,7 @@ import pytest
 
 import paged_sparse_attn as psa
 
-from _problems import make_problem
+from paged_sparse_attn.testing.generate import random_problem
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def counting(cls, *names):
 
 
 def _problem(seed, **kw):
-    return make_problem(seed, **{"seqlens_q": (1, 1, 1), "G": 4, "D": 8, "msb": 4, "causal": True,
+    return random_problem(seed, **{"seqlens_q": (1, 1, 1), "G": 4, "D": 8, "msb": 4, "causal": True,
                                  "poison": False, **kw})
 
 
@@ -70,7 +70,7 @@ def _fresh(WgpuBackend, pb, k=None, v=None):
     b = WgpuBackend(required_limits="default")
     try:
         kd, vd = b.upload_kv_cache(pb.k_cache if k is None else k, pb.v_cache if v is None else v)
-        return psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=b, return_lse=True)
+        return psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=b, return_lse=True)
     finally:
         b.close()
 
@@ -85,13 +85,13 @@ def test_R19_reused_bind_groups_give_the_bits_of_a_fresh_backend(WgpuBackend, be
     bits of a fresh backend."""
     pb = _problem(1)
     kd, vd = be.upload_kv_cache(pb.k_cache, pb.v_cache)
-    out = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=be, return_lse=True)
+    out = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=be, return_lse=True)
     assert _same(out, _fresh(WgpuBackend, pb))
     for seed in (2, 3):  # same caches and shapes, new selections: nothing to bind anew
         other = _problem(seed)
         sel = other.selected.copy()
         with counting("GPUDevice", "create_bind_group") as made:
-            got = psa.forward(pb.q, kd, vd, pb.block_tables, sel, pb.cu_seqlens_q, **pb.kwargs,
+            got = psa.forward(pb.q, kd, vd, pb.block_tables, sel, pb.cu_seqlens_q, **pb.options,
                               backend=be, return_lse=True)
         assert made["create_bind_group"] == 0, "bind groups were not reused"
         want = _fresh(WgpuBackend, pb.__class__(**{**pb.__dict__, "selected": sel}))
@@ -101,14 +101,14 @@ def test_R19_reused_bind_groups_give_the_bits_of_a_fresh_backend(WgpuBackend, be
     vd.release()
     k2, v2 = pb.k_cache[::-1].copy(), pb.v_cache[::-1].copy()
     kd, vd = be.upload_kv_cache(k2, v2)
-    got = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=be, return_lse=True)
+    got = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=be, return_lse=True)
     assert _same(got, _fresh(WgpuBackend, pb, k2, v2)), "a stale bind group was used after a re-upload"
     # a larger call grows the pooled buffers (new buffers, new bind groups); a small one after it
     big = _problem(4, seqlens_q=(1,) * 9, msb=6)
     kb, vb = be.upload_kv_cache(big.k_cache, big.v_cache)
-    got = psa.forward(big.q, kb, vb, *big.args[3:], **big.kwargs, backend=be, return_lse=True)
+    got = psa.forward(big.q, kb, vb, *big.args[3:], **big.options, backend=be, return_lse=True)
     assert _same(got, _fresh(WgpuBackend, big))
-    got = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=be, return_lse=True)
+    got = psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=be, return_lse=True)
     assert _same(got, _fresh(WgpuBackend, pb, k2, v2))
     for a in (kd, vd, kb, vb):
         a.release()
@@ -121,7 +121,7 @@ def test_a_resident_cache_dropped_without_release_frees_its_buffers(be):
 
     pb = _problem(5)
     kd, vd = be.upload_kv_cache(pb.k_cache, pb.v_cache)
-    psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.kwargs, backend=be)  # caches bind groups of them
+    psa.forward(pb.q, kd, vd, *pb.args[3:], **pb.options, backend=be)  # caches bind groups of them
     ids = {b.uid for a in (kd, vd) for b in a.buffers()}
     destroyed = set()
     old = wgpu_native.GPUBuffer.destroy
@@ -143,11 +143,11 @@ def test_a_resident_cache_dropped_without_release_frees_its_buffers(be):
 def test_one_encoder_one_submit_one_map_per_call(be, resident):
     pb = _problem(6)
     k, v = be.upload_kv_cache(pb.k_cache, pb.v_cache) if resident else (pb.k_cache, pb.v_cache)
-    psa.forward(pb.q, k, v, *pb.args[3:], **pb.kwargs, backend=be)  # warm: pipelines, pool
+    psa.forward(pb.q, k, v, *pb.args[3:], **pb.options, backend=be)  # warm: pipelines, pool
     with counting("GPUDevice", "create_command_encoder") as enc, counting("GPUQueue", "submit") as sub, \
             counting("GPUBuffer", "map_sync", "map_async") as maps:
-        out = psa.forward(pb.q, k, v, *pb.args[3:], **pb.kwargs, backend=be)
-    ref = psa.forward(*pb.args, **pb.kwargs, backend="numpy")
+        out = psa.forward(pb.q, k, v, *pb.args[3:], **pb.options, backend=be)
+    ref = psa.forward(*pb.args, **pb.options, backend="numpy")
     assert np.allclose(out, ref, atol=1e-4)
     assert enc["create_command_encoder"] == 1 and sub["submit"] == 1, (enc, sub)
     assert maps["map_async"] == 1, maps  # (map_sync calls map_async once)

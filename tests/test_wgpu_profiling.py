@@ -9,23 +9,22 @@ import paged_sparse_attn as psa
 from paged_sparse_attn._index import build_index_arrays
 from paged_sparse_attn._validation import validate_forward
 
-from _problems import make_problem
+from paged_sparse_attn.testing.generate import random_problem
 
 
 def _fwd(pr, backend, **kw):
-    return psa.forward(*pr.args, **pr.kwargs, backend=backend, **kw)
+    return psa.forward(*pr.args, **pr.options, backend=backend, **kw)
 
 
 def _problem_and_index(pr, k, v):
-    p = validate_forward("t", pr.q, k, v, pr.block_tables, pr.selected, pr.cu_seqlens_q, **pr.kwargs)
-    idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                             block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    p = validate_forward("t", pr.q, k, v, pr.block_tables, pr.selected, pr.cu_seqlens_q, **pr.options)
+    idx = build_index_arrays(p.selected, p.layout)
     return p, idx
 
 
 def test_profile_forward_times_every_pass_and_matches_forward(WgpuBackend):
     be = WgpuBackend(required_limits="default")
-    args = make_problem(3, seqlens_q=(3, 2), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
+    args = random_problem(3, seqlens_q=(3, 2), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
     kd, vd = be.upload_kv_cache(args.k_cache, args.v_cache)
     p, idx = _problem_and_index(args, kd, vd)
     ref = be.forward(p, idx)[0]
@@ -47,7 +46,7 @@ def test_profile_forward_times_every_pass_and_matches_forward(WgpuBackend):
 def test_profile_forward_replay_times_each_replay_and_keeps_results(WgpuBackend):
     """replay=R encodes the passes R times in one submission: R span times, same outputs."""
     be = WgpuBackend(required_limits="default")
-    args = make_problem(4, seqlens_q=(3, 2), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
+    args = random_problem(4, seqlens_q=(3, 2), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
     kd, vd = be.upload_kv_cache(args.k_cache, args.v_cache)
     p, idx = _problem_and_index(args, kd, vd)
     ref = be.forward(p, idx)[0]
@@ -75,7 +74,7 @@ def test_runtime_checks_do_not_change_results(WgpuBackend):
     on = WgpuBackend(required_limits="default", runtime_checks=True)
     off = WgpuBackend(required_limits="default")
     for seed, kw in ((7, dict(seqlens_q=(3, 2), G=2, D=16)), (8, dict(seqlens_q=(1, 1, 1), G=8, D=64))):
-        args = make_problem(seed, page_size=2, ppb=2, msb=4, causal=True, **kw)
+        args = random_problem(seed, page_size=2, ppb=2, msb=4, causal=True, **kw)
         a = _fwd(args, on, return_lse=True)
         b = _fwd(args, off, return_lse=True)
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
@@ -94,8 +93,8 @@ def test_pooled_buffers_grow_and_shrink_across_calls_without_stale_data(WgpuBack
     """A small call after a large one reuses larger pooled buffers: only its own rows come back."""
     be = WgpuBackend(required_limits="default")
     fresh = WgpuBackend(required_limits="default")
-    small = make_problem(5, seqlens_q=(1,), G=2, D=8, msb=2)
-    large = make_problem(6, seqlens_q=(4, 3, 2), G=2, D=8, msb=4)
+    small = random_problem(5, seqlens_q=(1,), G=2, D=8, msb=2)
+    large = random_problem(6, seqlens_q=(4, 3, 2), G=2, D=8, msb=4)
     for args in (small, large, small, large):
         got = _fwd(args, be, return_lse=True)
         want = _fwd(args, fresh if args is small else "numpy", return_lse=True)
@@ -107,16 +106,15 @@ def test_pooled_buffers_grow_and_shrink_across_calls_without_stale_data(WgpuBack
 
 def test_geometry_is_chosen_per_call(WgpuBackend):
     be = WgpuBackend()  # adapter limits: the shapes below fit without halving
-    decode = make_problem(7, seqlens_q=(1, 1), G=4, D=32, page_size=4, ppb=4, msb=3)
+    decode = random_problem(7, seqlens_q=(1, 1), G=4, D=32, page_size=4, ppb=4, msb=3)
     _fwd(decode, be)
     g = be.last_timings["geometry"]
     from paged_sparse_attn.backends.wgpu._decode import DECODE
-    from paged_sparse_attn.backends.wgpu._device import subgroup_size
 
     # the decode kernel's default: one subgroup (key groups of R = 8 lanes: 8 units per row)
     assert g.kernel == DECODE and g.R == 8
-    assert g.WG == max(g.R, subgroup_size(be._device())[0])
-    prefill = make_problem(8, seqlens_q=(12,), G=4, D=64, page_size=4, ppb=4, msb=3, topk=3, used="full")
+    assert g.WG == max(g.R, be.capabilities.limits["measured_subgroup_size"])
+    prefill = random_problem(8, seqlens_q=(12,), G=4, D=64, page_size=4, ppb=4, msb=3, topk=3, used="full")
     _fwd(prefill, be)
     g = be.last_timings["geometry"]
     assert g.WG == 256 and g.RMAX > 16
@@ -132,7 +130,7 @@ def test_ceilings_and_profiling_without_timestamps_use_the_wall_clock(WgpuBacken
     assert "timestamp-query" not in be.capabilities.features
     assert be.copy_bandwidth(1 << 20, repeat=2) > 0 and be.last_timings["timer"] == "wall"
     assert be.read_bandwidth(1 << 20, repeat=2, warmup_s=0.01) > 0 and be.last_timings["timer"] == "wall"
-    args = make_problem(9, seqlens_q=(2, 1), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
+    args = random_problem(9, seqlens_q=(2, 1), G=2, D=16, page_size=2, ppb=2, msb=4, causal=True)
     kd, vd = be.upload_kv_cache(args.k_cache, args.v_cache)
     p, idx = _problem_and_index(args, kd, vd)
     prof = be.profile_forward(p, idx, repeat=2, replay=3)

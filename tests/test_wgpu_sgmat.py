@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from _problems import assert_close_to_reference, make_problem
 
 import paged_sparse_attn as psa
 from paged_sparse_attn.backends.wgpu import _sgmat
 from paged_sparse_attn.backends.wgpu._kernels import KERNEL_TABLE
 from paged_sparse_attn.errors import UnsupportedError
+from paged_sparse_attn.testing import assert_attention_close
+from paged_sparse_attn.testing.generate import random_problem
 
 SHADER = Path(__file__).resolve().parents[1] / "shaders" / "psa_partials_sgmat.wgsl"
 
@@ -91,16 +92,16 @@ def test_shader_capacities_match_the_host():
 
 
 def test_a_device_without_subgroup_matrices_refuses_the_kernel_and_auto_runs_the_fma_kernel(WgpuBackend):
-    pb = make_problem(3, seqlens_q=(5, 3), Hkv=2, G=8, D=16, page_size=4, ppb=2, msb=3, causal=True,
-                      dtype=np.float16, q_dtype=np.float32)
+    pb = random_problem(3, seqlens_q=(5, 3), Hkv=2, G=8, D=16, page_size=4, ppb=2, msb=3, causal=True,
+                        dtype=np.float16, q_dtype=np.float32)
     forced = WgpuBackend(required_limits="default", partials_kernel="sgmat")
     with pytest.raises(UnsupportedError, match="subgroup-matrix partials kernel.*no 16x16x16"):
-        psa.forward(*pb.args, **pb.kwargs, backend=forced)
+        psa.forward(*pb.args, **pb.options, backend=forced)
     auto = WgpuBackend(required_limits="default")
-    out, lse = psa.forward(*pb.args, **pb.kwargs, backend=auto, return_lse=True)
+    out, lse = psa.forward(*pb.args, **pb.options, backend=auto, return_lse=True)
     assert auto.last_timings["kernel"] == "psa_partials.wgsl"
-    ref, ref_lse = psa.dense_reference(*pb.args, **pb.kwargs)
-    assert_close_to_reference(out, ref, np.float16, lse=lse, ref_lse=ref_lse)
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
+    assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
 
 
 @pytest.mark.parametrize("D, block_size, rows", [(128, 128, 32), (64, 64, 8), (256, 64, 32), (16, 32, 240)])

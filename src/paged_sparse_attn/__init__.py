@@ -10,7 +10,7 @@ from ._api import build_kvouter_index, combine_partials, forward, forward_partia
 from ._attention_plan import AttentionPlan, plan_attention
 from ._layout import BatchLayout
 from ._paged_kv import block_tables_from_indptr
-from ._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from ._types import AttentionInputs, Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem, SeqLayout
 from .backends.base import Backend
 from .errors import (
     BackendUnavailableError,
@@ -55,6 +55,8 @@ __all__ = [
     "KVOuterIndex",
     "Partials",
     "Problem",
+    "AttentionInputs",
+    "SeqLayout",
     "PagedSparseAttnError",
     "SpecError",
     "UnsupportedError",

@@ -8,7 +8,7 @@ import numpy as np
 
 from ._index import build_index_arrays
 from ._outputs import backend_label, checked_out_lse, checked_partials
-from ._types import Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from ._types import AttentionInputs, Capabilities, DeviceArray, KVOuterIndex, Partials
 from ._validation import (
     cache_dims,
     check_cache_layout,
@@ -65,7 +65,7 @@ def check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
     return dev
 
 
-def _run_checks(backend: Backend, fn: str, p: Problem) -> None:
+def _run_checks(backend: Backend, fn: str, p: AttentionInputs) -> None:
     dev = check_owner(backend, fn, p.k_cache, p.v_cache)
     # q was widened exactly to float32 by the validation (R7): only the cache dtype is capability-bound
     check_capabilities(backend, fn, dtypes=(p.cache_dtype,), head_dim=p.head_dim,
@@ -144,8 +144,7 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
         out, lse = checked_out_lse(be, "forward", cached_plan(layout_of(p), be)._run(
             p.q, p.k_cache, p.v_cache, p.selected), p.q.shape)
         return (out, lse) if return_lse else out
-    index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                               block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    index = build_index_arrays(p.selected, p.layout)
     out, lse = checked_out_lse(be, "forward", be.forward(p, index), p.q.shape)
     return (out, lse) if return_lse else out
 
@@ -170,10 +169,10 @@ def build_kvouter_index(selected, block_tables, cu_seqlens_q, used_kv_lens=None,
         Edges ordered by KV head, then slot (b, s), then query t; one edge per kept entry
         (a real block, not entirely >= L_b, and with causal not entirely in the future).
     """
-    sel, bt, cu, lens, bs, s, c = validate_index_inputs(
+    sel, layout = validate_index_inputs(
         "build_kvouter_index", selected, block_tables, cu_seqlens_q, used_kv_lens,
         block_size=block_size, page_size=page_size, causal=causal)
-    return build_index_arrays(sel, bt, cu, lens, block_size=bs, page_size=s, causal=c)
+    return build_index_arrays(sel, layout)
 
 
 def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, kv_layout="HND", backend=None) -> Partials:
@@ -218,8 +217,7 @@ def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, kv_layou
         raise _fail(fn, f"q {q.shape} and k_cache {tuple(k_cache.shape)} must satisfy Hq % Hkv == 0 and equal head_dim >= 1", "R1")
     index = validate_index(fn, index, num_queries=q.shape[0], num_kv_heads=Hkv, page_size=S, num_pages=P)
     scale = check_softmax_scale(softmax_scale, D, fn)
-    p = Problem(q, k_cache, v_cache, index.block_tables, np.zeros((q.shape[0], Hkv, 0), np.int32),
-                index.cu_seqlens_q, index.used_kv_lens, index.block_size, scale, index.causal, kv_layout)
+    p = AttentionInputs(q, k_cache, v_cache, index.layout, scale, kv_layout=kv_layout)  # the index's layout, not a copy
     be = resolve_backend(backend, k_cache, v_cache)
     _run_checks(be, fn, p)
     return checked_partials(be, fn, be.forward_partials(p, index), index.num_edges, p.group_size, p.head_dim)

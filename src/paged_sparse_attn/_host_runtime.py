@@ -24,14 +24,10 @@ class HostRuntime:
         self.layout = layout
 
     def _problem(self, q, k, v, sel) -> Problem:
-        L = self.layout
-        return Problem(q, k, v, L.block_tables, sel, L.cu_seqlens_q, L.used_kv_lens, L.block_size,
-                       L.softmax_scale, L.causal, L.kv_layout)
+        return Problem(q, k, v, self.layout.layout, self.layout.softmax_scale, sel, kv_layout=self.layout.kv_layout)
 
     def kvouter_index(self, sel: np.ndarray) -> KVOuterIndex:
-        L = self.layout
-        return build_index_arrays(sel, L.block_tables, L.cu_seqlens_q, L.used_kv_lens, block_size=L.block_size,
-                                  page_size=L.page_size, causal=L.causal)
+        return build_index_arrays(sel, self.layout.layout)
 
     def run(self, q, k, v, sel):
         return self.backend.forward(self._problem(q, k, v, sel), self.kvouter_index(sel))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._types import KVOuterIndex
+from ._types import KVOuterIndex, SeqLayout
 
 __all__ = ["query_positions", "local_blocks", "build_index_arrays", "run_starts"]
 
@@ -68,26 +68,19 @@ def _edge_order(slot: np.ndarray, n_slots: int) -> np.ndarray:
     return np.argsort(slot * E + np.arange(E, dtype=np.int64))  # unique keys: any sort is stable
 
 
-def build_index_arrays(
-    selected: np.ndarray,
-    block_tables: np.ndarray,
-    cu_seqlens_q: np.ndarray,
-    used_kv_lens: np.ndarray,
-    *,
-    block_size: int,
-    page_size: int,
-    causal: bool,
-) -> KVOuterIndex:
-    """Build the R13 index from validated int32 inputs (see ``paged_sparse_attn.build_kvouter_index``).
+def build_index_arrays(selected: np.ndarray, layout: SeqLayout) -> KVOuterIndex:
+    """Build the R13 index of a validated int32 ``selected`` [Tq, Hkv, topk] over ``layout``.
+
+    See ``paged_sparse_attn.build_kvouter_index``. The index refers to ``layout`` (it does not
+    copy it): a problem and its index share one record.
 
     Per-call cost matters (every decode step builds one): the edge fields are taken once, in
     edge order and as int32, and the slot and row structure come from keys, not from
     comparisons of several arrays.
     """
     Tq, Hkv, K = selected.shape
-    B = block_tables.shape[0]
-    msb = block_tables.shape[1] // (block_size // page_size)
-    seq, hi = query_positions(cu_seqlens_q, used_kv_lens, causal)
+    B, msb, block_size = layout.num_seqs, layout.msb, layout.block_size
+    seq, hi = query_positions(layout.cu_seqlens_q, layout.used_kv_lens, layout.causal)
 
     # --8<-- [start:edges]
     # kept: a real block, not entirely >= L_b, not entirely in the future (R13): s * block_size
@@ -135,13 +128,7 @@ def build_index_arrays(
         slot_block=e_s[starts],
         row_ptr=row_ptr,
         row_edges=inverse,
-        block_tables=block_tables,
-        cu_seqlens_q=cu_seqlens_q,
-        used_kv_lens=used_kv_lens,
+        layout=layout,
         num_queries=Tq,
         num_kv_heads=Hkv,
-        block_size=block_size,
-        page_size=page_size,
-        msb=msb,
-        causal=causal,
     )

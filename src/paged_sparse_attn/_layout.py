@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._types import SeqLayout, _LayoutFacts
 from ._validation import (
     FLOAT_DTYPES,
+    NO_SELECTION,
     _fail,
     check_causal,
     check_int_array,
@@ -44,20 +46,19 @@ def _dtype(x, fn: str, name: str) -> np.dtype:
 
 
 @dataclass(frozen=True, eq=False)
-class BatchLayout:
+class BatchLayout(_LayoutFacts):
     """A validated batch layout (R2-R5, R7, R8 checked once).
 
     Attributes
     ----------
-    block_tables : ndarray int32 [B, max_pages]
-    cu_seqlens_q : ndarray int32 [B + 1]
-    used_kv_lens : ndarray int32 [B]
-        The R4 default ``msb * block_size`` filled in.
-    block_size, page_size, num_q_heads, num_kv_heads, head_dim, topk : int
+    layout : SeqLayout
+        The sequences and their pages (``block_tables``, ``cu_seqlens_q``, ``used_kv_lens`` with
+        the R4 default filled in, ``block_size``, ``page_size``, ``causal``; they read through),
+        the record the problems and indexes of the plan's calls share.
+    num_q_heads, num_kv_heads, head_dim, topk : int
     kv_dtype : numpy.dtype
         dtype of ``k_cache`` and ``v_cache``.
     softmax_scale : float
-    causal : bool
     index_dim, num_index_heads : int or None
         The index branch's ``d_idx`` and ``Hk_idx`` (None: the plan runs attention only).
     index_dtype : numpy.dtype or None
@@ -67,18 +68,13 @@ class BatchLayout:
         ``"HND"`` or ``"NHD"``: the page layout of the caches and index keys (R34).
     """
 
-    block_tables: np.ndarray
-    cu_seqlens_q: np.ndarray
-    used_kv_lens: np.ndarray
-    block_size: int
-    page_size: int
+    layout: SeqLayout
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
     kv_dtype: np.dtype
     topk: int
     softmax_scale: float
-    causal: bool
     index_dim: int | None = None
     num_index_heads: int | None = None
     index_dtype: np.dtype | None = None
@@ -93,19 +89,7 @@ class BatchLayout:
 
     @property
     def num_queries(self) -> int:
-        return int(self.cu_seqlens_q[-1])
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.block_tables.shape[0])
-
-    @property
-    def pages_per_block(self) -> int:
-        return self.block_size // self.page_size
-
-    @property
-    def msb(self) -> int:
-        return self.block_tables.shape[1] // self.pages_per_block
+        return self.layout.num_queries
 
     @property
     def group_size(self) -> int:
@@ -140,8 +124,7 @@ def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, b
     kdt = _dtype(kv_dtype, fn, "kv_dtype")
     cu = check_int_array(cu_seqlens_q, fn, "cu_seqlens_q", 1, "R3")
     Tq = int(cu[-1]) if cu.size else 0
-    placeholder = np.zeros((max(Tq, 0), Hkv, 0), np.int32)
-    bt, cu, lens, _, bs = check_layout(fn, block_tables, cu, used_kv_lens, placeholder, block_size=block_size,
+    bt, cu, lens, _, bs = check_layout(fn, block_tables, cu, used_kv_lens, NO_SELECTION, block_size=block_size,
                                        page_size=S, num_pages=None, num_queries=Tq, num_kv_heads=Hkv)
     scale = check_softmax_scale(softmax_scale, D, fn)
     c = check_causal(causal, fn)
@@ -152,12 +135,15 @@ def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, b
         if ihead not in (1, Hkv):
             raise _fail(fn, f"num_index_heads must be 1 or num_kv_heads={Hkv}, got {ihead}", "R21")
         idt = kdt if index_dtype is None else _dtype(index_dtype, fn, "index_dtype")
-    return BatchLayout(bt, cu, lens, bs, S, Hq, Hkv, D, kdt, int(topk), scale, c, idim, ihead, idt,
+    return BatchLayout(SeqLayout(bt, cu, lens, bs, S, c), Hq, Hkv, D, kdt, int(topk), scale, idim, ihead, idt,
                        int(bt.max(initial=-1)), kvl)
 
 
-def layout_of(p) -> BatchLayout:
-    """The layout of a validated ``Problem`` (no new checks)."""
-    return BatchLayout(p.block_tables, p.cu_seqlens_q, p.used_kv_lens, p.block_size, p.page_size, p.num_q_heads,
-                       p.num_kv_heads, p.head_dim, p.cache_dtype, p.topk, p.softmax_scale, p.causal,
+def layout_of(p, topk: int | None = None) -> BatchLayout:
+    """The plan layout of a validated ``Problem`` (no new checks), sharing its ``SeqLayout``.
+
+    ``topk`` defaults to the problem's; ``AttentionInputs`` (no selection yet) must pass it.
+    """
+    topk = p.topk if topk is None else topk
+    return BatchLayout(p.layout, p.num_q_heads, p.num_kv_heads, p.head_dim, p.cache_dtype, topk, p.softmax_scale,
                        max_page=int(p.block_tables.max(initial=-1)), kv_layout=p.kv_layout)

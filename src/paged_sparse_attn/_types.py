@@ -14,6 +14,8 @@ __all__ = [
     "Capabilities",
     "KVOuterIndex",
     "Partials",
+    "SeqLayout",
+    "AttentionInputs",
     "Problem",
     "DeviceArray",
 ]
@@ -122,17 +124,115 @@ class DeviceArray:
 
 
 @dataclass(frozen=True, eq=False)
-class Problem:
-    """A validated forward problem (R1-R8); built only by the validation layer.
+class SeqLayout:
+    """The sequences of a call and where their keys and values live (R2-R5, R9), validated.
 
-    What a backend's [`forward_partials`][paged_sparse_attn.Backend.forward_partials] receives.
-    Index arrays are int32 and C-contiguous; ``q`` is a C-contiguous float32 array (widened
-    exactly from any R7 dtype, R7), the caches are C-contiguous numpy arrays of an R7 dtype or
-    [`DeviceArray`][paged_sparse_attn.DeviceArray] handles of the backend. ``selected`` has
-    ``topk = 0`` columns in the problem of ``forward_partials``, whose edges come from the index.
-    Derived sizes: ``num_queries`` Tq, ``num_q_heads`` Hq, ``head_dim`` D, ``num_pages`` P,
-    ``num_kv_heads`` Hkv, ``page_size`` S, ``group_size`` G = Hq // Hkv (query head ``hq`` reads
-    KV head ``hq // G``, R1), ``num_seqs`` B, ``msb``, ``topk``, ``cache_dtype``.
+    One record, shared: the [`Problem`][paged_sparse_attn.Problem] of a call and the
+    [`KVOuterIndex`][paged_sparse_attn.KVOuterIndex] built from it hold the same ``SeqLayout``
+    object, so each of these facts is stated once. Built only by the validation layer.
+
+    Attributes
+    ----------
+    block_tables : ndarray int32 [B, max_pages]
+        Physical page of every logical page, ``-1`` where none (R2).
+    cu_seqlens_q : ndarray int32 [B + 1]
+        Query offsets of the sequences (R3).
+    used_kv_lens : ndarray int32 [B]
+        ``L_b`` of every sequence, the R4 default ``msb * block_size`` filled in.
+    block_size : int
+        A positive multiple of ``page_size`` (R5).
+    page_size : int
+        ``S``, the positions per page.
+    causal : bool
+        Right-aligned causal mask (R9).
+    """
+
+    block_tables: np.ndarray  # [B, max_pages] int32
+    cu_seqlens_q: np.ndarray  # [B+1] int32
+    used_kv_lens: np.ndarray  # [B] int32
+    block_size: int
+    page_size: int
+    causal: bool
+
+    @property
+    def num_seqs(self) -> int:
+        """``B``."""
+        return int(self.block_tables.shape[0])
+
+    @property
+    def num_queries(self) -> int:
+        """``Tq = cu_seqlens_q[-1]``."""
+        return int(self.cu_seqlens_q[-1]) if self.cu_seqlens_q.shape[0] else 0
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.block_size // self.page_size
+
+    @property
+    def msb(self) -> int:
+        """Sparse blocks per sequence: ``max_pages // pages_per_block`` (R5)."""
+        return int(self.block_tables.shape[1]) // self.pages_per_block
+
+
+class _LayoutFacts:
+    """Read-only views of a record's ``layout`` (a [`SeqLayout`][paged_sparse_attn.SeqLayout])."""
+
+    layout: SeqLayout
+
+    @property
+    def block_tables(self) -> np.ndarray:
+        """``layout.block_tables``, int32 [B, max_pages]."""
+        return self.layout.block_tables
+
+    @property
+    def cu_seqlens_q(self) -> np.ndarray:
+        """``layout.cu_seqlens_q``, int32 [B + 1]."""
+        return self.layout.cu_seqlens_q
+
+    @property
+    def used_kv_lens(self) -> np.ndarray:
+        """``layout.used_kv_lens``, int32 [B] (the R4 default filled in)."""
+        return self.layout.used_kv_lens
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    @property
+    def causal(self) -> bool:
+        return self.layout.causal
+
+    @property
+    def num_seqs(self) -> int:
+        return self.layout.num_seqs
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.layout.pages_per_block
+
+    @property
+    def msb(self) -> int:
+        return self.layout.msb
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionInputs(_LayoutFacts):
+    """The validated tensors of one attention call over a [`SeqLayout`][paged_sparse_attn.SeqLayout].
+
+    What a backend's [`forward_partials`][paged_sparse_attn.Backend.forward_partials] receives
+    (its edges come from the index, whose ``layout`` is this record's ``layout``); a
+    [`Problem`][paged_sparse_attn.Problem] adds the selection. Built only by the validation layer.
+    ``q`` is a C-contiguous float32 array (widened exactly from any R7 dtype, R7), the caches are
+    C-contiguous numpy arrays of an R7 dtype or [`DeviceArray`][paged_sparse_attn.DeviceArray]
+    handles of the backend. The layout's fields read through: ``block_tables``,
+    ``cu_seqlens_q``, ``used_kv_lens``, ``block_size``, ``page_size``, ``causal``, ``num_seqs``
+    B, ``pages_per_block``, ``msb``. Derived sizes: ``num_queries`` Tq, ``num_q_heads`` Hq,
+    ``head_dim`` D, ``num_pages`` P, ``num_kv_heads`` Hkv, ``group_size`` G = Hq // Hkv (query
+    head ``hq`` reads KV head ``hq // G``, R1), ``cache_dtype``.
 
     Attributes
     ----------
@@ -140,33 +240,21 @@ class Problem:
         Queries, float32 (widened exactly from any R7 dtype).
     k_cache, v_cache : ndarray or DeviceArray [P, Hkv, S, D] or [P, S, Hkv, D]
         The paged caches, float32, float16 or bfloat16, of one dtype, in ``kv_layout``.
-    block_tables : ndarray int32 [B, max_pages]
-        Physical page of every logical page, ``-1`` where none (R2).
-    selected : ndarray int32 [Tq, Hkv, topk]
-        Block ids per (query, KV head), ``-1`` padding (R6).
-    cu_seqlens_q : ndarray int32 [B + 1]
-    used_kv_lens : ndarray int32 [B]
-        ``L_b`` of every sequence (the default already filled in).
-    block_size : int
+    layout : SeqLayout
+        The sequences and their pages (``page_size`` is ``S`` of the caches).
     softmax_scale : float
         Already defaulted to ``1 / sqrt(D)``.
-    causal : bool
     kv_layout : str
         ``"HND"`` (caches ``[P, Hkv, S, D]``) or ``"NHD"`` (``[P, S, Hkv, D]``), R34; one of the
-        backend's ``capabilities.kv_layouts``.
+        backend's ``capabilities.kv_layouts``. Keyword-only, default ``"HND"``.
     """
 
     q: np.ndarray  # [Tq, Hq, D]
     k_cache: Any  # [P, Hkv, S, D]
     v_cache: Any  # [P, Hkv, S, D]
-    block_tables: np.ndarray  # [B, max_pages] int32
-    selected: np.ndarray  # [Tq, Hkv, topk] int32
-    cu_seqlens_q: np.ndarray  # [B+1] int32
-    used_kv_lens: np.ndarray  # [B] int32
-    block_size: int
+    layout: SeqLayout
     softmax_scale: float
-    causal: bool
-    kv_layout: str = "HND"  # R34
+    kv_layout: str = field(default="HND", kw_only=True)  # R34
 
     @property
     def num_queries(self) -> int:
@@ -189,24 +277,8 @@ class Problem:
         return self.k_cache.shape[1 if self.kv_layout == "HND" else 2]
 
     @property
-    def page_size(self) -> int:
-        return self.k_cache.shape[2 if self.kv_layout == "HND" else 1]
-
-    @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def num_seqs(self) -> int:
-        return self.block_tables.shape[0]
-
-    @property
-    def msb(self) -> int:
-        return self.block_tables.shape[1] // (self.block_size // self.page_size)
-
-    @property
-    def topk(self) -> int:
-        return self.selected.shape[2]
 
     @property
     def cache_dtype(self) -> np.dtype:
@@ -214,7 +286,29 @@ class Problem:
 
 
 @dataclass(frozen=True, eq=False)
-class KVOuterIndex:
+class Problem(AttentionInputs):
+    """A validated forward problem (R1-R8): [`AttentionInputs`][paged_sparse_attn.AttentionInputs]
+    and the selection. Built only by the validation layer.
+
+    What a backend's [`forward`][paged_sparse_attn.Backend.forward] and
+    [`plans_forward`][paged_sparse_attn.Backend.plans_forward] receive. Every field and size
+    of ``AttentionInputs`` (the layout's fields read through), plus ``topk``.
+
+    Attributes
+    ----------
+    selected : ndarray int32 [Tq, Hkv, topk]
+        Block ids per (query, KV head), ``-1`` padding (R6).
+    """
+
+    selected: np.ndarray  # [Tq, Hkv, topk] int32
+
+    @property
+    def topk(self) -> int:
+        return self.selected.shape[2]
+
+
+@dataclass(frozen=True, eq=False)
+class KVOuterIndex(_LayoutFacts):
     """The inverted selection of R13: one edge per kept ``(t, h, rank)`` entry of ``selected``.
 
     Edges are ordered by KV head ``h``, then slot ``(b, s)`` ascending, then query ``t``
@@ -247,14 +341,13 @@ class KVOuterIndex:
         Edges of row ``r = t * Hkv + h`` are ``row_edges[row_ptr[r]:row_ptr[r+1]]``, in rank order.
     row_edges : ndarray [E]
         Edge ids grouped by row (the inverse view used by the combine, R15).
-    block_tables : ndarray [B, max_pages]
-    cu_seqlens_q : ndarray [B + 1]
-    used_kv_lens : ndarray [B]
-        The validated int32 inputs the index was built from (kernels need the page map);
-        ``used_kv_lens`` holds the R4 default ``msb * block_size`` when the caller passed None.
-    num_queries, num_kv_heads, block_size, page_size, msb : int
-        Tq, Hkv, block size, page size S and msb of the problem.
-    causal : bool
+    layout : SeqLayout
+        The validated layout the index was built from (kernels need the page map): the same
+        record as the problem's. Its fields read through: ``block_tables``, ``cu_seqlens_q``,
+        ``used_kv_lens`` (the R4 default filled in), ``block_size``, ``page_size``, ``causal``,
+        ``num_seqs``, ``pages_per_block``, ``msb``.
+    num_queries, num_kv_heads : int
+        Tq and Hkv of the selection the index inverts (``row_ptr`` has ``Tq * Hkv + 1`` entries).
 
     The same fields, in the same words, are the R13 table of the spec
     (docs/spec/partials-and-combine.md).
@@ -272,15 +365,9 @@ class KVOuterIndex:
     slot_block: np.ndarray
     row_ptr: np.ndarray
     row_edges: np.ndarray
-    block_tables: np.ndarray
-    cu_seqlens_q: np.ndarray
-    used_kv_lens: np.ndarray
+    layout: SeqLayout
     num_queries: int
     num_kv_heads: int
-    block_size: int
-    page_size: int
-    msb: int
-    causal: bool
 
     @property
     def num_edges(self) -> int:
@@ -289,10 +376,6 @@ class KVOuterIndex:
     @property
     def num_slots(self) -> int:
         return int(self.slot_head.shape[0])
-
-    @property
-    def pages_per_block(self) -> int:
-        return self.block_size // self.page_size
 
     def edge_rows(self) -> np.ndarray:
         """Row id ``t * Hkv + h`` of every edge, shape [E]."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._types import DeviceArray, KVOuterIndex, Partials, Problem
+from ._types import AttentionInputs, DeviceArray, KVOuterIndex, Partials, Problem, SeqLayout
 from .errors import SpecError
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "check_softmax_scale",
     "check_causal",
     "check_layout",
+    "NO_SELECTION",
     "check_capacity",
     "KV_LAYOUTS",
     "check_kv_layout",
@@ -238,6 +239,16 @@ def check_selected(fn: str, sel: np.ndarray, Tq: int, num_kv_heads: int | None, 
                 raise _fail(fn, f"selected row [{t}, {h}] repeats block id {int(srt[t, h, j])}; ids must be unique per row", "R6")
 
 
+class _NoSelection:
+    """The ``selected`` of a call whose selection does not exist yet (layout-only checks)."""
+
+    def __repr__(self) -> str:
+        return "NO_SELECTION"
+
+
+NO_SELECTION: Any = _NoSelection()
+
+
 def check_layout(
     fn: str,
     block_tables: Any,
@@ -250,12 +261,13 @@ def check_layout(
     num_pages: int | None,
     num_queries: int | None,
     num_kv_heads: int | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, int]:
     """Check R2-R6 for the index arrays; returns int32 arrays and block_size.
 
     ``num_pages`` / ``num_queries`` / ``num_kv_heads`` are None when the caller has no cache or
     queries (build_kvouter_index): then page ids are only checked to be >= -1 and the query
-    count and head count come from ``selected``.
+    count and head count come from ``selected``. ``selected=NO_SELECTION`` checks the layout
+    alone (R2-R5; ``num_queries`` is then required) and returns None in its place.
     """
     page_size = check_page_size(page_size, fn)
     bs = check_block_size(block_size, page_size, fn)
@@ -290,11 +302,12 @@ def check_layout(
         j = int(np.argmax(np.diff(cu) < 0))
         raise _fail(fn, f"cu_seqlens_q must be non-decreasing, got {int(cu[j])} then {int(cu[j + 1])} at [{j}, {j + 1}]", "R3")
 
-    sel = check_int_array(selected, fn, "selected", 3, "R6")
+    sel = None if selected is NO_SELECTION else check_int_array(selected, fn, "selected", 3, "R6")
     Tq = num_queries if num_queries is not None else sel.shape[0]
     if int(cu[-1]) != Tq:
         raise _fail(fn, f"cu_seqlens_q[-1] must equal Tq={Tq}, got {int(cu[-1])}", "R3")
-    check_selected(fn, sel, Tq, num_kv_heads, msb)
+    if sel is not None:
+        check_selected(fn, sel, Tq, num_kv_heads, msb)
 
     cap = msb * bs
     if used_kv_lens is None:
@@ -324,8 +337,12 @@ def validate_forward(
     softmax_scale: Any,
     causal: Any,
     kv_layout: Any = "HND",
-) -> Problem:
-    """Validate every input of ``forward`` (R1-R8, R34) and return a ``Problem``."""
+) -> AttentionInputs:
+    """Validate every input of ``forward`` (R1-R8, R34) and return a ``Problem``.
+
+    ``selected=NO_SELECTION`` (``sparse_attention``, whose selection comes later): the same
+    checks without R6, returning the ``AttentionInputs``.
+    """
     kv_layout = check_kv_layout(kv_layout, fn)
     q = check_float_array(q, fn, "q", 3)
     k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
@@ -354,21 +371,23 @@ def validate_forward(
         block_size=block_size, page_size=S, num_pages=P, num_queries=Tq, num_kv_heads=Hkv,
     )
     scale = check_softmax_scale(softmax_scale, D, fn)
-    causal = check_causal(causal, fn)
-    return Problem(widen_query(q), k_cache, v_cache, bt, sel, cu, lens, bs, scale, causal, kv_layout)
+    layout = SeqLayout(bt, cu, lens, bs, S, check_causal(causal, fn))
+    if sel is None:
+        return AttentionInputs(widen_query(q), k_cache, v_cache, layout, scale, kv_layout=kv_layout)
+    return Problem(widen_query(q), k_cache, v_cache, layout, scale, sel, kv_layout=kv_layout)
 
 
 def validate_index_inputs(
     fn: str, selected: Any, block_tables: Any, cu_seqlens_q: Any, used_kv_lens: Any, *,
     block_size: Any, page_size: Any, causal: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int, bool]:
-    """Validate the inputs of build_kvouter_index (R2-R8)."""
+) -> tuple[np.ndarray, SeqLayout]:
+    """Validate the inputs of build_kvouter_index (R2-R8): ``(selected, layout)``."""
     s = check_page_size(page_size, fn)
     bt, cu, lens, sel, bs = check_layout(
         fn, block_tables, cu_seqlens_q, used_kv_lens, selected,
         block_size=block_size, page_size=s, num_pages=None, num_queries=None, num_kv_heads=None,
     )
-    return sel, bt, cu, lens, bs, s, check_causal(causal, fn)
+    return sel, SeqLayout(bt, cu, lens, bs, s, check_causal(causal, fn))
 
 
 def validate_index(fn: str, index: Any, *, num_queries: int | None = None, num_kv_heads: int | None = None,
@@ -384,6 +403,8 @@ def validate_index(fn: str, index: Any, *, num_queries: int | None = None, num_k
     """
     if not isinstance(index, KVOuterIndex):
         raise _fail(fn, f"index must be a KVOuterIndex from build_kvouter_index(), got {type(index).__name__}", "R13")
+    if not isinstance(index.layout, SeqLayout):
+        raise _tampered(fn, f"layout must be a SeqLayout, got {type(index.layout).__name__}")
     if num_queries is not None and index.num_queries != num_queries:
         raise _fail(fn, f"index was built for Tq={index.num_queries} queries, q has {num_queries}", "R13")
     if num_kv_heads is not None and index.num_kv_heads != num_kv_heads:
@@ -402,27 +423,29 @@ def _check_index_fields(fn: str, ix: KVOuterIndex, num_pages: int | None) -> Non
     """R13: every field of ``ix`` in range and consistent (vectorised, O(E + Tq*Hkv + B*max_pages))."""
     from ._index import query_positions
 
-    scalars = {n: getattr(ix, n) for n in ("num_queries", "num_kv_heads", "block_size", "page_size", "msb")}
+    lay = ix.layout  # a SeqLayout (validate_index checked)
+    scalars = {"num_queries": ix.num_queries, "num_kv_heads": ix.num_kv_heads, "block_size": lay.block_size,
+               "page_size": lay.page_size}
     for name, v in scalars.items():
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < (0 if name == "num_queries" else 1):
             raise _tampered(fn, f"{name} must be a {'non-negative' if name == 'num_queries' else 'positive'} int, got {v!r}")
-    if not isinstance(ix.causal, (bool, np.bool_)):
-        raise _tampered(fn, f"causal must be a bool, got {ix.causal!r}")
-    Tq, Hkv, bs, S, msb = (int(v) for v in scalars.values())
+    if not isinstance(lay.causal, (bool, np.bool_)):
+        raise _tampered(fn, f"causal must be a bool, got {lay.causal!r}")
+    Tq, Hkv, bs, S = (int(v) for v in scalars.values())
     arrays = ("edge_query", "edge_head", "edge_seq", "edge_block", "edge_rank", "edge_len", "slot_ptr", "slot_head",
-              "slot_seq", "slot_block", "row_ptr", "row_edges", "block_tables", "cu_seqlens_q", "used_kv_lens")
-    for name in arrays:
-        a = getattr(ix, name)
+              "slot_seq", "slot_block", "row_ptr", "row_edges")
+    layout_arrays = ("block_tables", "cu_seqlens_q", "used_kv_lens")
+    for name in arrays + layout_arrays:
+        a = getattr(lay if name in layout_arrays else ix, name)
         want_ndim = 2 if name == "block_tables" else 1
         if not isinstance(a, np.ndarray) or a.dtype != np.int32 or a.ndim != want_ndim:
             got = f"{a.dtype.name} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
             raise _tampered(fn, f"{name} must be a {want_ndim}-D int32 array, got {got}")
     # the layout the index was built from: the rules of forward() (R2-R5, R7)
-    bt, cu, lens, _, _ = check_layout(fn, ix.block_tables, ix.cu_seqlens_q, ix.used_kv_lens,
-                                      np.zeros((Tq, Hkv, 0), np.int32), block_size=bs, page_size=S,
-                                      num_pages=num_pages, num_queries=Tq, num_kv_heads=Hkv)
-    if bt.shape[1] // (bs // S) != msb:
-        raise _tampered(fn, f"msb={msb} does not match block_tables {bt.shape} with block_size={bs}, page_size={S}")
+    bt, cu, lens, _, _ = check_layout(fn, lay.block_tables, lay.cu_seqlens_q, lay.used_kv_lens, NO_SELECTION,
+                                      block_size=bs, page_size=S, num_pages=num_pages, num_queries=Tq,
+                                      num_kv_heads=Hkv)
+    msb = lay.msb
     E = ix.edge_query.shape[0]
     for name in ("edge_head", "edge_seq", "edge_block", "edge_rank", "edge_len", "row_edges"):
         if getattr(ix, name).shape[0] != E:
@@ -448,7 +471,7 @@ def _check_index_fields(fn: str, ix: KVOuterIndex, num_pages: int | None) -> Non
     in_range("edge_head", h, 0, Hkv)
     in_range("edge_block", s, 0, msb)
     in_range("edge_rank", ix.edge_rank, 0, _I32.max)
-    seq, hi = query_positions(cu, lens, bool(ix.causal))
+    seq, hi = query_positions(cu, lens, bool(lay.causal))
     b = ix.edge_seq.astype(np.int64)
     if E and (b != seq[t]).any():
         j = int(np.argmax(b != seq[t]))

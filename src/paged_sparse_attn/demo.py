@@ -3,8 +3,8 @@
 The problem looks like a serving step: B sequences of different KV lengths, one of them decoding
 a single token and the others prefilling chunks, their pages scattered over a physical cache in a
 random order with holes (unmapped pages), spare pages and the tail past each ``L_b`` filled with
-NaN (R10: never read). Blocks are picked by the index branch when the package has one, else at
-random (always including the query's own "local" block). The forward is causal (R9).
+NaN (R10: never read), built with ``paged_sparse_attn.testing.generate``. Blocks are picked by the
+index branch (the query's own "local" block always included). The forward is causal (R9).
 
 Every backend's ``(out, lse)`` is compared with ``dense_reference``
 (float64) to a tolerance derived from the dtype (R20). This module needs only numpy; the command
@@ -25,6 +25,7 @@ from . import _api, reference, registry
 from ._index import query_positions
 from .backends.base import Backend
 from .errors import PagedSparseAttnError, SpecError, UnsupportedError
+from .testing import generate
 from .testing.assertions import tolerance as r20_tolerance
 
 __all__ = [
@@ -239,27 +240,17 @@ def make_problem(sizes: DemoSizes = DemoSizes(), seed: int = 0,
 
     # Logical pages inside L_b are mapped except ~1 in 8 (holes: evicted or never written);
     # pages past L_b stay unmapped (-1). Physical ids are a random permutation with spare pages.
-    block_tables = np.full((B, max_pages), -1, dtype=np.int32)
-    mapped = []
-    holes = 0
-    for b in range(B):
-        n = -(-lens[b] // S)
-        hole = rng.random(n) < 0.125
-        holes += int(hole.sum())
-        mapped += [(b, p) for p in range(n) if not hole[p]]
-    spare = max(2, len(mapped) // 8)
-    P = len(mapped) + spare
-    perm = rng.permutation(P)
-    for (b, p), phys in zip(mapped, perm[: len(mapped)]):
-        block_tables[b, p] = phys
+    inside = [-(-L // S) for L in lens]
+    block_tables, P, holes = generate.page_tables(rng, inside, max_pages, hole_prob=0.125,
+                                                  spare_pages=max(2, sum(inside) // 8))
 
     dt = np.dtype(sizes.dtype)
-    k_cache = rng.standard_normal((P, Hkv, S, D)).astype(dt)
-    v_cache = rng.standard_normal((P, Hkv, S, D)).astype(dt)
-    q = rng.standard_normal((sizes.queries, Hq, D)).astype(dt)
+    k_cache, v_cache = generate.normal_caches(rng, (P, Hkv, S, D), dt)
+    q = rng.standard_normal((sizes.queries, Hq, D), dtype=np.float32).astype(dt)
     # Memory that must never be read (R10): spare pages and each sequence's tail past L_b.
-    k_cache[perm[len(mapped):]] = np.nan
-    v_cache[perm[len(mapped):]] = np.nan
+    spare = np.setdiff1d(np.arange(P), block_tables[block_tables >= 0])
+    k_cache[spare] = np.nan
+    v_cache[spare] = np.nan
     for b in range(B):
         last = (lens[b] - 1) // S
         if lens[b] % S and block_tables[b, last] >= 0:
@@ -290,34 +281,6 @@ def choose_blocks(q, k_cache, block_tables, cu_seqlens_q, used_kv_lens, *, block
     sel = select_topk(scores, topk, force_local=topk > 0, cu_seqlens_q=cu_seqlens_q, used_kv_lens=used_kv_lens,
                       block_size=block_size, backend="numpy")
     return sel, "chosen by the index branch (block_scores + select_topk, local block forced)"
-
-
-def random_local_topk(cu_seqlens_q, used_kv_lens, *, num_kv_heads: int, msb: int, block_size: int, topk: int,
-                      rng: np.random.Generator) -> np.ndarray:
-    """Per (query, KV head): its local block (the one holding its last visible position) plus
-    ``topk - 1`` distinct earlier blocks at random; ``-1`` pads, slot order shuffled (R6).
-
-    Returns
-    -------
-    ndarray int32 [Tq, Hkv, topk]
-    """
-    cu = np.asarray(cu_seqlens_q)
-    Tq = int(cu[-1])
-    sel = np.full((Tq, num_kv_heads, topk), -1, dtype=np.int32)
-    if topk == 0:
-        return sel
-    for b in range(cu.shape[0] - 1):
-        L, T = int(used_kv_lens[b]), int(cu[b + 1] - cu[b])
-        for i in range(T):
-            last = L - T + i  # right-aligned causal: the last position this query sees (R9)
-            if last < 0:
-                continue  # sees nothing: an all-empty row
-            local = min(last // block_size, msb - 1)
-            for h in range(num_kv_heads):
-                earlier = rng.permutation(local)[: topk - 1]
-                row = np.concatenate([[local], earlier])
-                sel[cu[b] + i, h, : row.shape[0]] = rng.permutation(row)
-    return sel
 
 
 def _count_tokens(selected, block_tables, cu_seqlens_q, used_kv_lens, *, block_size, page_size) -> tuple[int, int]:

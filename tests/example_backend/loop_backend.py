@@ -32,11 +32,11 @@ class LoopBackend(psa.Backend):
     def capabilities(self) -> psa.Capabilities:
         return psa.Capabilities(dtypes=("float32", "float16"), max_head_dim=64, device="cpu (loops)")
 
-    def attended(self, problem: psa.Problem, index: psa.KVOuterIndex, e: int) -> int:
+    def attended(self, problem: psa.AttentionInputs, index: psa.KVOuterIndex, e: int) -> int:
         """How many leading positions of the edge's block it may attend (R9, R13)."""
         return int(index.edge_len[e])
 
-    def forward_partials(self, problem: psa.Problem, index: psa.KVOuterIndex) -> psa.Partials:
+    def forward_partials(self, problem: psa.AttentionInputs, index: psa.KVOuterIndex) -> psa.Partials:
         q = np.asarray(problem.q, dtype=np.float32)
         k, v = problem.k_cache, problem.v_cache
         G, D = problem.group_size, problem.head_dim

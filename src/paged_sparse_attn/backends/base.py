@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from .._types import Availability, Capabilities, KVOuterIndex, Partials, Problem
+from .._types import AttentionInputs, Availability, Capabilities, KVOuterIndex, Partials
 from ..errors import UnsupportedError
 
 if TYPE_CHECKING:  # for annotations only: index_branch imports this module
@@ -53,15 +53,16 @@ class Backend(ABC):
         """What this backend instance can run (dtypes, limits, features)."""
 
     @abstractmethod
-    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+    def forward_partials(self, problem: AttentionInputs, index: KVOuterIndex) -> Partials:
         """Compute the R14 partials of every (edge, query head in group).
 
         Parameters
         ----------
-        problem : Problem
-            Validated inputs.
+        problem : AttentionInputs
+            Validated ``q``, caches and ``softmax_scale`` (a ``Problem`` from ``forward``, whose
+            selection the backend does not need: the edges are the index's).
         index : KVOuterIndex
-            The R13 index of ``problem.selected``.
+            The R13 index; ``index.layout is problem.layout``.
 
         Returns
         -------
@@ -75,8 +76,12 @@ class Backend(ABC):
 
         return combine_partials_numpy(partials, index)
 
-    def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
-        """Full forward: partials then combine. Returns ``(out, lse)``, float32."""
+    def forward(self, problem: AttentionInputs, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+        """Full forward: partials then combine. Returns ``(out, lse)``, float32.
+
+        ``problem`` is the ``Problem`` of ``forward()`` or ``sparse_attention()``; ``index`` its R13
+        index (``index.layout is problem.layout``).
+        """
         from .._outputs import checked_partials
 
         # the partials never reach the API here: checked before the combine reads them
@@ -132,9 +137,11 @@ class Backend(ABC):
         """
         raise UnsupportedError(f"backend {self.name!r} does not implement select_topk [R18]")
 
-    def plans_forward(self, problem: Problem) -> bool:
+    def plans_forward(self, problem: AttentionInputs) -> bool:
         """Whether ``forward()`` runs ``problem`` through a cached plan of this backend (R32).
 
+        ``problem`` is a ``Problem``, or the ``AttentionInputs`` of ``sparse_attention()`` before
+        its selection exists: the answer must not depend on the selection.
         Default False: ``forward()`` builds the index and calls ``forward``.
         """
         return False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._types import Availability, Capabilities, DeviceArray, KVOuterIndex, Partials, Problem
+from .._types import AttentionInputs, Availability, Capabilities, DeviceArray, KVOuterIndex, Partials
 from ..errors import UnsupportedError
 from .._validation import FLOAT_DTYPES
 from .base import Backend
@@ -54,7 +54,7 @@ class NumpyBackend(Backend):
         )
 
     @staticmethod
-    def _check_host(problem: Problem) -> None:
+    def _check_host(problem: AttentionInputs) -> None:
         for arr in (problem.k_cache, problem.v_cache):
             if isinstance(arr, DeviceArray):
                 raise UnsupportedError(
@@ -62,12 +62,12 @@ class NumpyBackend(Backend):
                     f"the backend that holds it ({arr.backend!r}) [R18]"
                 )
 
-    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+    def forward_partials(self, problem: AttentionInputs, index: KVOuterIndex) -> Partials:
         self._check_host(problem)
         k, v = hnd_views(problem)
         return kvouter_partials(problem.q, k, v, index, problem.softmax_scale)[0]
 
-    def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, problem: AttentionInputs, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
         """Partials then combine, without scattering o into edge order: each chunk's P @ V
         writes straight into a padded buffer and the combine reads it through a row map."""
         if type(self).forward_partials is not NumpyBackend.forward_partials:

@@ -14,6 +14,7 @@ import numpy as np
 
 from .._api import forward
 from .._index import build_index_arrays
+from .._types import SeqLayout
 from .._validation import validate_forward
 from .workloads import Workload, make_problem, needed_kv_bytes
 
@@ -55,8 +56,7 @@ def attention_flops(problem: dict) -> int:
     p = validate_forward("bench", **{k: problem[k] for k in ("q", "k_cache", "v_cache", "block_tables", "selected", "cu_seqlens_q")},
                          used_kv_lens=problem["used_kv_lens"], block_size=problem["block_size"], softmax_scale=None,
                          causal=problem["causal"])
-    idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                             block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    idx = build_index_arrays(p.selected, p.layout)
     ppb = p.block_size // p.page_size
     pages = p.block_tables[idx.edge_seq[:, None], idx.edge_block[:, None] * ppb + np.arange(ppb)]
     mapped = np.repeat(pages >= 0, p.page_size, axis=1)
@@ -97,9 +97,10 @@ def run_cpu(workloads=CPU_WORKLOADS, repeat: int = 5, progress: Callable[[str], 
         kw = dict(used_kv_lens=prob["used_kv_lens"], block_size=prob["block_size"], causal=prob["causal"])
         say(f"{w.name}: forward")
         t_fwd = best_of(lambda: forward(*args.values(), backend="numpy", **kw), repeat)
-        t_idx = best_of(lambda: build_index_arrays(
-            np.ascontiguousarray(prob["selected"], np.int32), prob["block_tables"], prob["cu_seqlens_q"],
-            prob["used_kv_lens"], block_size=w.block_size, page_size=w.page_size, causal=w.causal), repeat)
+        sel32 = np.ascontiguousarray(prob["selected"], np.int32)
+        seqs = SeqLayout(prob["block_tables"], prob["cu_seqlens_q"], prob["used_kv_lens"], w.block_size,
+                         w.page_size, w.causal)
+        t_idx = best_of(lambda: build_index_arrays(sel32, seqs), repeat)
         say(f"{w.name}: gather floor")
         t_gather = gather_floor(prob, repeat)
         flops = attention_flops(prob)

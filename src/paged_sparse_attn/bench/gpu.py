@@ -163,8 +163,7 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             p = validate_forward("bench", args["q"], kd, vd, args["block_tables"], args["selected"],
                                  args["cu_seqlens_q"], used_kv_lens=args["used_kv_lens"],
                                  block_size=args["block_size"], softmax_scale=None, causal=args["causal"])
-            idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                                     block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+            idx = build_index_arrays(p.selected, p.layout)
             say(f"{w.name}: {be.name} kernels")
             with ClockSampler() as clk:
                 prof = be.profile_forward(p, idx, repeat=repeat, **_steady(be, quick))

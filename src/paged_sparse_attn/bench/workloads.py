@@ -1,10 +1,13 @@
-"""Benchmark problems: random paged caches with MSA-like selections (local block always chosen)."""
+"""Benchmark workloads (names and geometries) and their problems, made by
+``testing.generate.msa_problem``: random paged caches with MSA selections (local block always chosen)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..testing.generate import msa_problem
 
 __all__ = ["Workload", "make_problem", "needed_kv_bytes"]
 
@@ -46,7 +49,6 @@ class Workload:
         return self.Hq // self.Hkv
 
 
-
 def needed_kv_bytes(problem: dict) -> int:
     """Bytes of K+V a problem must read at least: each distinct (seq, KV head, block) once.
 
@@ -68,8 +70,9 @@ def needed_kv_bytes(problem: dict) -> int:
     return int(tokens * D * np.dtype(kc.dtype).itemsize * 2)
 
 
-def make_problem(w: Workload, seed: int = 0, fill: str = "all"):
-    """Random problem for workload ``w``: scrambled physical pages, local block + random top-k.
+def make_problem(w: Workload, seed: int = 0, fill: str = "all") -> dict:
+    """Random problem for workload ``w`` (``testing.generate.msa_problem``): scrambled physical
+    pages, the local block and a random top-k of visible blocks.
 
     ``fill="selected"`` draws random values only for the pages some query selects and leaves
     the others zero (they are never read; this keeps very large caches cheap to build).
@@ -78,46 +81,8 @@ def make_problem(w: Workload, seed: int = 0, fill: str = "all"):
     -------
     dict
         Arguments of :func:`paged_sparse_attn.forward` (``q, k_cache, v_cache, block_tables,
-        selected, cu_seqlens_q, used_kv_lens, block_size, causal``).
+        selected, cu_seqlens_q, used_kv_lens, block_size, softmax_scale, causal``).
     """
-    rng = np.random.default_rng(seed)
-    S, BS = w.page_size, w.block_size
-    ppb = BS // S
-    msb = -(-w.L // BS)
-    max_pages = msb * ppb
-    P = w.B * max_pages
-    dt = np.dtype(w.dtype)
-    bt = rng.permutation(P).astype(np.int32).reshape(w.B, max_pages)
-    T = w.Tq_per_seq
-    Tq = w.B * T
-    cu = np.arange(w.B + 1, dtype=np.int32) * T
-    q = rng.standard_normal((Tq, w.Hq, w.D), dtype=np.float32)
-    lens = np.full(w.B, w.L, dtype=np.int32)
-    # local block of query i: (L - T + i) // BS; the others: random distinct visible blocks
-    i = np.tile(np.arange(T), w.B)
-    local = (w.L - T + i) // BS if w.causal else np.full(Tq, msb - 1)
-    n_vis = local + 1
-    k_eff = min(w.topk, msb)
-    sel = np.full((Tq, w.Hkv, w.topk), -1, dtype=np.int32)
-    scores = rng.random((Tq, w.Hkv, msb))
-    future = np.broadcast_to(np.arange(msb)[None, None, :] >= n_vis[:, None, None], scores.shape)
-    scores[future] = -1.0  # wholly future blocks are never chosen
-    scores[np.arange(Tq), :, local] = 2.0  # the local block is always chosen
-    top = np.argsort(-scores, axis=-1, kind="stable")[..., :k_eff]
-    chosen = np.take_along_axis(scores, top, -1) >= 0
-    sel[..., :k_eff] = np.where(chosen, top, -1)
-    if fill == "all":
-        k = rng.standard_normal((P, w.Hkv, S, w.D), dtype=np.float32).astype(dt)
-        v = rng.standard_normal((P, w.Hkv, S, w.D), dtype=np.float32).astype(dt)
-    else:
-        k = np.zeros((P, w.Hkv, S, w.D), dtype=dt)
-        v = np.zeros((P, w.Hkv, S, w.D), dtype=dt)
-        b = np.repeat(np.arange(w.B), T)
-        t_, h_, r_ = np.nonzero(sel >= 0)
-        blocks = np.unique(np.stack([b[t_], sel[t_, h_, r_]], 1), axis=0)
-        pages = np.unique(bt[blocks[:, :1], blocks[:, 1:] * ppb + np.arange(ppb)])
-        shape = (pages.shape[0], w.Hkv, S, w.D)
-        k[pages] = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-        v[pages] = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-    return dict(q=q, k_cache=k, v_cache=v, block_tables=bt, selected=sel, cu_seqlens_q=cu,
-                used_kv_lens=lens, block_size=BS, causal=w.causal)
+    return msa_problem(B=w.B, L=w.L, Tq_per_seq=w.Tq_per_seq, Hq=w.Hq, Hkv=w.Hkv, D=w.D, page_size=w.page_size,
+                       block_size=w.block_size, topk=w.topk, causal=w.causal, dtype=w.dtype, seed=seed,
+                       fill=fill).kwargs()

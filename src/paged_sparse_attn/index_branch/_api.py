@@ -9,11 +9,11 @@ import numpy as np
 from .._api import check_capabilities, check_owner
 from .._attention_plan import cached_plan
 from .._layout import layout_of, validate_layout
-from .._types import DeviceArray
+from .._types import DeviceArray, Problem
 from .._index import build_index_arrays
 from .._outputs import backend_label, checked_out_lse, checked_scores, checked_selection
 
-from .._validation import cache_dims, check_cache_layout, check_float_array, check_kv_layout, validate_forward
+from .._validation import NO_SELECTION, cache_dims, check_cache_layout, check_float_array, check_kv_layout, validate_forward
 from ..backends.base import Backend
 from ..errors import UnsupportedError
 from ..registry import resolve_backend
@@ -205,8 +205,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     kvl = check_kv_layout(kv_layout, fn)
     q_ = check_float_array(q, fn, "q", 3)
     k_ = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
-    placeholder = np.zeros((q_.shape[0], cache_dims(k_.shape, kvl)[1], 0), np.int32)  # selection comes later
-    p = validate_forward(fn, q_, k_, v_cache, block_tables, placeholder, cu_seqlens_q,
+    p = validate_forward(fn, q_, k_, v_cache, block_tables, NO_SELECTION, cu_seqlens_q,  # the selection comes later
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
                          causal=causal, kv_layout=kvl)
     ip = validate_block_scores(fn, index_q, index_k_cache, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
@@ -219,7 +218,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     _index_checks(be, fn, ip)
 
     if be.plans_forward(p) and isinstance(ip.index_k_cache, DeviceArray):  # one submission per layer (R32)
-        lay = dataclasses.replace(layout_of(p), topk=k, index_dim=ip.index_dim, num_index_heads=ip.num_index_heads,
+        lay = dataclasses.replace(layout_of(p, topk=k), index_dim=ip.index_dim, num_index_heads=ip.num_index_heads,
                                   index_dtype=np.dtype(ip.index_k_cache.dtype))
         out, lse = checked_out_lse(be, fn, cached_plan(lay, be)._run_sparse(
             p.q, p.k_cache, p.v_cache, ip.index_q, ip.index_k_cache), p.q.shape)
@@ -228,8 +227,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
     tp = TopkProblem(scores=scores, topk=k, force_local=True,
                      local_block=local_blocks(p.cu_seqlens_q, p.used_kv_lens, p.block_size))
     selected = checked_selection(be, fn, be.select_topk(tp), (tp.num_queries, tp.num_kv_heads, tp.topk), tp.msb)
-    p = dataclasses.replace(p, selected=selected)
-    index = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                               block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+    p = Problem(p.q, p.k_cache, p.v_cache, p.layout, p.softmax_scale, selected, kv_layout=p.kv_layout)
+    index = build_index_arrays(p.selected, p.layout)
     out, lse = checked_out_lse(be, fn, be.forward(p, index), p.q.shape)
     return (out, lse) if return_lse else out

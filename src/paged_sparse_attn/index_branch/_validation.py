@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from .._index import local_blocks, query_positions
-from .._types import DeviceArray, Problem
+from .._types import AttentionInputs, DeviceArray
 from .._validation import (
     FLOAT_DTYPES,
+    NO_SELECTION,
     _fail,
     as_array,
     check_block_size,
@@ -46,7 +47,7 @@ def _float_array(x: Any, fn: str, name: str, ndim: int, shape_doc: str, *, allow
     return check_float_array(x, fn, name, ndim, allow_device=allow_device)
 
 
-def check_cross_shapes(fn: str, index_q: Any, index_k_cache: Any, problem: Problem) -> None:
+def check_cross_shapes(fn: str, index_q: Any, index_k_cache: Any, problem: AttentionInputs) -> None:
     """R25: the index arrays of ``sparse_attention`` must match ``q`` and the paged caches."""
     Tq, Hkv = problem.num_queries, problem.num_kv_heads
     if tuple(index_q.shape[:2]) != (Tq, Hkv):
@@ -61,7 +62,7 @@ def check_cross_shapes(fn: str, index_q: Any, index_k_cache: Any, problem: Probl
 
 def validate_block_scores(fn: str, index_q: Any, index_k_cache: Any, block_tables: Any, cu_seqlens_q: Any,
                           used_kv_lens: Any, *, block_size: Any, softmax_scale: Any, causal: Any,
-                          like: Problem | None = None, kv_layout: Any = "HND") -> IndexProblem:
+                          like: AttentionInputs | None = None, kv_layout: Any = "HND") -> IndexProblem:
     """Validate the inputs of ``block_scores`` (R21, and R2-R5/R7/R8 for the shared arguments).
 
     ``like`` is the validated forward problem of ``sparse_attention``: the index arrays are then
@@ -87,7 +88,7 @@ def validate_block_scores(fn: str, index_q: Any, index_k_cache: Any, block_table
                     f"must be >= 1, got shape {tuple(ik.shape)}", "R21")
     # spec: R21 -- paged like k_cache: the layout rules R2-R5 apply unchanged
     bt, cu, lens, _, bs = check_layout(
-        fn, block_tables, cu_seqlens_q, used_kv_lens, np.zeros((Tq, Hkv, 0), np.int32),
+        fn, block_tables, cu_seqlens_q, used_kv_lens, NO_SELECTION,
         block_size=block_size, page_size=S, num_pages=P, num_queries=Tq, num_kv_heads=Hkv,
     )
     scale = check_softmax_scale(softmax_scale, d, fn)  # default 1/sqrt(d_idx)

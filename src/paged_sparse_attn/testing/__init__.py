@@ -5,6 +5,9 @@
 * ``paged_sparse_attn.testing.assertions`` -- ``assert_attention_close`` and
   ``tolerance`` / ``problem_tolerance``, the tolerances of R20.
 * ``paged_sparse_attn.testing.oracle`` -- the rules as small independent numpy formulas.
+* ``paged_sparse_attn.testing.generate`` -- seeded generators of paged problems (scrambled pages,
+  holes, selections with the local block, NaN/Inf poison, the benchmarks' MSA geometry): the one
+  source of problems of the tests, the demo and the benchmarks.
 * ``run_conformance`` -- run the packaged property suite
   (``paged_sparse_attn/testing/test_conformance.py``) against a backend.
 

@@ -48,6 +48,9 @@ class AttentionProblem:
     values : str
         How the float data were made (e.g. ``"normal(seed=3)"``): with the index arrays shown by
         ``repr`` it is enough to rebuild the problem from a failure report.
+    poisoned_cells : int
+        Cache cells no query attends that hold NaN / +Inf / -Inf (R10), 0 for none
+        (``generate.poison_unattended``).
     kv_layout : str
         The page layout the calls pass the caches in (R34): ``"HND"`` or ``"NHD"``.
     """
@@ -63,6 +66,7 @@ class AttentionProblem:
     softmax_scale: float | None = None
     causal: bool = False
     values: str = field(default="", compare=False)
+    poisoned_cells: int = field(default=0, compare=False)
     kv_layout: str = "HND"
 
     # --- sizes -------------------------------------------------------------------------------
@@ -142,6 +146,18 @@ class AttentionProblem:
         kw = {name: getattr(self, name) for name in FORWARD_ARGS}
         kw["k_cache"], kw["v_cache"] = to_layout(self.k_cache, self.kv_layout), to_layout(self.v_cache, self.kv_layout)
         return kw
+
+    @property
+    def args(self) -> tuple:
+        """The positional arguments of ``forward``: ``(q, k_cache, v_cache, block_tables,
+        selected, cu_seqlens_q)``."""
+        return tuple(getattr(self, name) for name in FORWARD_ARGS[:6])
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``forward`` after ``args``: ``used_kv_lens``, ``block_size``,
+        ``softmax_scale``, ``causal``."""
+        return {name: getattr(self, name) for name in FORWARD_ARGS[6:]}
 
     def replace(self, **changes: Any) -> AttentionProblem:
         """A copy with some fields replaced (arrays are not copied)."""

@@ -542,9 +542,7 @@ class DeviceRuntime:
     def kvouter_index(self, sel) -> KVOuterIndex:
         L = self.layout
         if self.empty:  # nothing to invert
-            return build_index_arrays(np.full((L.num_queries, L.num_kv_heads, L.topk), -1, np.int32), L.block_tables,
-                                      L.cu_seqlens_q, L.used_kv_lens, block_size=L.block_size, page_size=L.page_size,
-                                      causal=L.causal)
+            return build_index_arrays(np.full((L.num_queries, L.num_kv_heads, L.topk), -1, np.int32), L.layout)
         with self.be._lock:
             self._live()
             dev = self.ctx.device
@@ -568,9 +566,7 @@ class DeviceRuntime:
             edge_query=e_t, edge_head=e_h, edge_seq=e_b, edge_block=e_s, edge_rank=e_rank, edge_len=e_len,
             slot_ptr=slot_ptr, slot_head=e_h[starts], slot_seq=e_b[starts], slot_block=e_s[starts],
             row_ptr=np.ascontiguousarray(merge[:self.R + 1]), row_edges=np.ascontiguousarray(merge[self.R + 1:self.R + 1 + E]),
-            block_tables=L.block_tables, cu_seqlens_q=L.cu_seqlens_q, used_kv_lens=L.used_kv_lens,
-            num_queries=L.num_queries, num_kv_heads=L.num_kv_heads, block_size=L.block_size,
-            page_size=L.page_size, msb=L.msb, causal=L.causal)
+            layout=L.layout, num_queries=L.num_queries, num_kv_heads=L.num_kv_heads)
 
     # --- the whole MSA layer (R25) in one submission ----------------------------------------------
 

@@ -24,12 +24,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..._types import (
+    AttentionInputs,
     Availability,
     Capabilities,
     DeviceArray,
     KVOuterIndex,
     Partials,
-    Problem,
 )
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
@@ -115,6 +115,13 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         Dawn runtime); a call it cannot run raises likewise. ``"generic"``: ``psa_partials.wgsl``
         (f32 FMAs) always. ``"auto"`` (default): decode when it applies, else sgmat when it
         applies, else generic.
+    decode_workgroup_size : int, optional
+        Invocations per workgroup of the decode kernel, for tuning experiments: rounded up to a
+        power of two that is a multiple of the subgroup size and of the key group (default: one
+        subgroup). The geometry used is reported in :attr:`last_timings` (``"geometry"``).
+    decode_prefetch : bool, optional
+        Whether the decode kernel issues the next chunk's loads before the current chunk's math,
+        for tuning experiments (default: by cache dtype).
     timestamps : bool
         Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
         feature; ignored without it).
@@ -150,7 +157,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                  max_binding_size: int | None = None, max_workgroups_per_dim: int | None = None,
                  disable_features: tuple[str, ...] = (), workgroup_size: int | None = None,
                  timestamps: bool = False, max_device_bytes: int | None = None,
-                 partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False):
+                 partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False,
+                 decode_workgroup_size: int | None = None, decode_prefetch: bool | None = None):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"{type(self).__name__}(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
@@ -185,8 +193,11 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"{type(self).__name__}(): workgroup_size must be in 64..{self._ctx.max_invocations}, got {wg}")
         self._wg = wg  # None: chosen per call (_shape)
         self._tune: dict = {}  # geometry caps (max_tk, max_rmax) for tuning experiments
-        self._decode_wg: int | None = None  # decode kernel workgroup size, for tuning experiments
-        self._decode_pf: bool | None = None  # decode kernel prefetch (None: by dtype), for tuning experiments
+        if decode_workgroup_size is not None and not 1 <= int(decode_workgroup_size) <= self._ctx.max_invocations:
+            raise ValueError(f"WgpuBackend(): decode_workgroup_size must be in 1..{self._ctx.max_invocations}, "
+                             f"got {decode_workgroup_size}")
+        self._decode_wg = None if decode_workgroup_size is None else int(decode_workgroup_size)
+        self._decode_pf = None if decode_prefetch is None else bool(decode_prefetch)
         self._profiling = False  # profile_forward: timestamps on every pass
         self._one_pass = False  # profile_forward: one timed pass for the whole call, as forward() encodes it
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call
@@ -250,6 +261,17 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         return self._device().summary
 
     @property
+    def device_context(self) -> DeviceContext | None:
+        """The open device and what is kept per device (a diagnostic, read-only; None after
+        :meth:`close`).
+
+        Its ``device`` is the wgpu device, ``pipelines`` the compiled pipelines, ``pool`` and
+        ``scratch`` the buffers reused across calls, ``subgroup`` the measured subgroup size.
+        For tests and tuning: a call after a device loss opens a new context.
+        """
+        return self._ctx
+
+    @property
     def capabilities(self) -> Capabilities:
         with self._lock:
             return self._capabilities()
@@ -291,7 +313,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- plans and device arrays (R30, R32) -------------------------------------------------------
 
-    def plans_forward(self, problem: Problem) -> bool:
+    def plans_forward(self, problem: AttentionInputs) -> bool:
         """Device-resident caches of one storage binding each: ``forward()`` takes the plan path."""
         k, v = problem.k_cache, problem.v_cache
         return (isinstance(k, WgpuArray) and isinstance(v, WgpuArray) and k.backend is self and v.backend is self
@@ -339,7 +361,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- the forward pipeline ----------------------------------------------------------------------
 
-    def _cache_layout(self, problem: Problem, view: IndexView, fn: str) -> tuple[CacheLayout, str]:
+    def _cache_layout(self, problem: AttentionInputs, view: IndexView, fn: str) -> tuple[CacheLayout, str]:
         """Where the caches of a call live, decided without allocating anything.
 
         Returns the layout and what must be uploaded: ``"none"`` (both resident), ``"k"`` or
@@ -363,7 +385,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         return CacheLayout.make(shape, k.dtype, ctx.binding_size, slab_ids=view.needed_slabs(),
                                 kv_layout=problem.kv_layout), "both"
 
-    def _cache_upload(self, problem: Problem, layout: CacheLayout, upload: str):
+    def _cache_upload(self, problem: AttentionInputs, layout: CacheLayout, upload: str):
         """(k chunk buffers, v chunk buffers, temporaries to free after the call)."""
         k, v = problem.k_cache, problem.v_cache
         dev = self._device().device
@@ -386,7 +408,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- the forward pipeline ----------------------------------------------------------------------
 
-    def forward_partials(self, problem: Problem, index: KVOuterIndex) -> Partials:
+    def forward_partials(self, problem: AttentionInputs, index: KVOuterIndex) -> Partials:
         Hkv = index.num_kv_heads
         G = problem.num_q_heads // Hkv
         D = problem.head_dim
@@ -400,7 +422,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         m = np.where(l != 0, ml[:, 0], np.float32(-np.inf)).astype(np.float32)
         return Partials(o.reshape(E, G, D), m.reshape(E, G), l.reshape(E, G))
 
-    def forward(self, problem: Problem, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, problem: AttentionInputs, index: KVOuterIndex) -> tuple[np.ndarray, np.ndarray]:
         Tq, Hq, D = problem.q.shape
         o = np.zeros((Tq * Hq, D), dtype=np.float32)
         ml = np.zeros((Tq * Hq, 2), dtype=np.float32)
@@ -420,7 +442,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             return True
         return False
 
-    def _run(self, problem: Problem, index: KVOuterIndex, mode: str, o: np.ndarray, ml: np.ndarray) -> None:
+    def _run(self, problem: AttentionInputs, index: KVOuterIndex, mode: str, o: np.ndarray, ml: np.ndarray) -> None:
         with self._lock:
             resident = any(isinstance(a, DeviceArray) for a in (problem.k_cache, problem.v_cache))
             for attempt in (0, 1):
