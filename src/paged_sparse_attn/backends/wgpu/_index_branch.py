@@ -40,47 +40,6 @@ TOPK_WG = 64
 # resident); 64-row items (prefill) keep DCV = 8.
 SCORES_STAGE = {64: (8, 4, 2, 1)}
 SCORES_STAGE_SMALL = (2, 1)
-# The tensor-core variant (16x16x16 f16 subgroup matrices, float16 index keys): dims staged per
-# step (KD), in order of preference, and the smallest d_idx it takes (docs/spec/numerics.md,
-# "Block scores on tensor cores").
-SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
-SGMAT_STAGE = (64, 32, 16)
-SGMAT_MIN_DIM = 16
-SGMAT_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
-
-
-def sgmat_scores_workgroup_bytes(kd: int, rt: int) -> int:
-    """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable rounded up to 16 bytes as
-    Dawn counts it): staged hi and lo queries (RT rows) and keys (128 positions) of KD + 8 halves,
-    the 4 subgroups' stored results (16 rows x MP tiles, stride 16 MP + 4 f32), the position
-    flags, six per-row arrays and three flags."""
-    kdp = kd + 8
-    mp = 4 if rt >= 32 else 2
-    a = lambda n: -(-n // 16) * 16  # noqa: E731
-    return 2 * a(2 * rt * kdp) + a(2 * 128 * kdp) + a(4 * 4 * 16 * (16 * mp + 4)) + a(4 * 128) + 6 * a(4 * rt) + 3 * 16
-
-
-def sgmat_scores_geometry(ctx, f16: bool, d_idx: int, rt: int, batch_invariant: bool = False):
-    """Override constants of psa_block_scores_sgmat.wgsl for items of ``rt`` rows, or ``(None, why)``
-    when the tensor-core kernel does not apply (the FMA kernel runs)."""
-    if (16, 16, 16) not in getattr(ctx, "sgmat", frozenset()):
-        return None, "the device has no f16 16x16x16 subgroup matrices"
-    if not f16:
-        return None, "the index keys are not float16"
-    if batch_invariant:
-        return None, "batch_invariant=True keeps one kernel for every batch"
-    if d_idx < SGMAT_MIN_DIM:
-        return None, f"d_idx < {SGMAT_MIN_DIM}"
-    if getattr(ctx, "subgroup", (None,))[0] != SGMAT_SUBGROUP:
-        return None, f"the subgroup size is not {SGMAT_SUBGROUP}"
-    rt_k = max(16, int(rt))
-    dp = -(-int(d_idx) // 16) * 16
-    for kd in SGMAT_STAGE:
-        if kd > dp and kd != SGMAT_STAGE[-1]:
-            continue  # a step wider than the padded row only stages zeros
-        if sgmat_scores_workgroup_bytes(kd, rt_k) <= ctx.workgroup_storage:
-            return {"RT": rt_k, "SR": 2 if rt_k >= 32 else 1, "KD": kd}, ""
-    return None, f"{sgmat_scores_workgroup_bytes(SGMAT_STAGE[-1], rt_k)} bytes of workgroup memory needed"
 
 
 def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
@@ -317,12 +276,6 @@ class IndexBranchMixin:
             pipe, bgl = self._ib_pipeline(SCORES_DECODE, f16, {"DV": DV, "S": S, "BS": BS, "WG": SCORES_DECODE_WG,
                                                                   "NR": 4 if rows_per_seq <= 4 else 8,
                                                                   **layout.kernel_constants()})
-        elif not layout.kernel_constants() and (sg := sgmat_scores_geometry(
-                ctx, f16, d, score_rows_per_item(rows_per_seq), self._batch_invariant))[0] is not None:
-            # tensor cores: same items (of at most RT rows), bindings and output as the FMA kernel
-            # (HND index keys: the kernel has no RH addressing yet; NHD keys run the FMA kernel)
-            RT = score_rows_per_item(rows_per_seq)
-            pipe, bgl = self._ib_pipeline(SCORES_SGMAT, False, {"DV": DV, "S": S, "BS": BS, **sg[0]})
         else:
             RT = score_rows_per_item(rows_per_seq)
             fits = [c for c in SCORES_STAGE.get(RT, SCORES_STAGE_SMALL)
