@@ -275,8 +275,7 @@ def check_prefill(sg, fma) -> None:
             p = validate_forward("check", args["q"], kd, vd, args["block_tables"], args["selected"],
                                  args["cu_seqlens_q"], used_kv_lens=args["used_kv_lens"],
                                  block_size=args["block_size"], softmax_scale=None, causal=args["causal"])
-            idx = build_index_arrays(p.selected, p.block_tables, p.cu_seqlens_q, p.used_kv_lens,
-                                     block_size=p.block_size, page_size=p.page_size, causal=p.causal)
+            idx = build_index_arrays(p.selected, p.layout)
             prof = bk.profile_forward(p, idx, repeat=5, kernel="auto", replay="auto", warmup_s=0.5)
             call = prof.get("call_s")
             report(prof.get("kernel") == want, f"[{label}] prefill timing ({prof.get('kernel')})",

@@ -320,7 +320,7 @@ def matmul_variants(ctx: Any, m: int = 4096, n: int | None = None, k: int | None
         with device_errors("matmul_variants", m=m, n=n, k=k):
             ab = dev.create_buffer_with_data(data=a, usage=U.STORAGE)
             bb = dev.create_buffer_with_data(data=b, usage=U.STORAGE)
-            cb = dev.create_buffer(size=m * n * 4, usage=U.STORAGE | U.COPY_SRC)
+            cb = dev.create_buffer(size=m * n * 4, usage=U.STORAGE | U.COPY_SRC | U.COPY_DST)
             pb = dev.create_buffer_with_data(data=np.array([m, n, k, 0], np.uint32), usage=U.UNIFORM)
             bufs += [ab, bb, cb, pb]
             for v in variants:
