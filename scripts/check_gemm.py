@@ -52,7 +52,7 @@ def main() -> int:
     a = ap.parse_args()
     t0 = time.perf_counter()
     be = registry.get_backend(a.backend)
-    ctx = be._device()
+    ctx = be.device_context
     print(f"device: {ctx.summary} ({ctx.runtime.name}); subgroup matrices {sorted(ctx.sgmat)}; subgroup size "
           f"{subgroup_size(ctx)[0]}; workgroup memory {ctx.workgroup_storage} B; invocations {ctx.max_invocations}",
           flush=True)

@@ -317,7 +317,7 @@ def main() -> int:
     np.seterr(invalid="ignore", over="ignore")  # NaN and inf are part of the checks
     t0 = time.perf_counter()
     be = psa.get_backend(a.backend)
-    ctx = be._device()
+    ctx = be.device_context
     have = getattr(ctx, "sgmat", frozenset())
     print(f"{be!r}: subgroup matrices {sorted(have)}; workgroup memory {ctx.workgroup_storage} B", flush=True)
     if (16, 16, 16) not in have:
