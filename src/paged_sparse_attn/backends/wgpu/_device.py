@@ -246,6 +246,7 @@ def open_device(
     timestamps: bool = False,
     generation: int = 0,
     runtime: Runtime = WGPU_NATIVE,
+    device_toggles: tuple[str, ...] = (),
 ) -> DeviceContext:
     """Request an adapter and a device of ``runtime`` with the options of :class:`WgpuBackend`."""
     from ...errors import BackendUnavailableError
@@ -274,7 +275,7 @@ def open_device(
     afeats = {str(f) for f in adapter.features}
     feats = [f for f in runtime.wanted_features() if f in afeats and f not in disabled]
     try:
-        device = runtime.request_device(adapter, feats, req)
+        device = runtime.request_device(adapter, feats, req, enable_toggles=tuple(device_toggles))
     except Exception as exc:
         raise BackendUnavailableError(
             f"backend {name!r} could not open a device on {adapter_summary(adapter)} "

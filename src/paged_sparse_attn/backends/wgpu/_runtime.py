@@ -99,11 +99,13 @@ class Runtime:
             return self.sgmat_feature
         return name
 
-    def request_device(self, adapter, features, limits):
-        if self.device_toggles:
+    def request_device(self, adapter, features, limits, *, enable_toggles: tuple[str, ...] = ()):
+        """A device of ``adapter``; ``enable_toggles`` are device toggles to add (Dawn only)."""
+        if self.device_toggles or enable_toggles:
             from wgpudawn.backends.dawn import extras
 
             return extras.request_device_sync(adapter, required_features=features, required_limits=limits,
+                                              enable_toggles=list(enable_toggles),
                                               disable_toggles=list(self.device_toggles))
         return adapter.request_device_sync(required_features=features, required_limits=limits)
 

@@ -1,0 +1,79 @@
+"""The Dawn runtime's data: feature names, toggles and devices, checked on Dawn's Null adapter.
+
+Dawn's Null adapter opens devices and validates everything without a GPU, so what the ``dawn``
+backend asks of Dawn is checked wherever ``wgpudawn`` is installed (CI included, which must run
+these: ``CI`` set and ``wgpudawn`` missing is a failure, not a skip).
+"""
+
+import os
+
+import pytest
+
+from paged_sparse_attn.backends.wgpu._runtime import DAWN, SUBGROUP, SUBGROUP_MATRIX, WGPU_NATIVE
+
+
+@pytest.fixture
+def null_adapter():
+    """A fresh Null adapter (an adapter opens one device only)."""
+    if not DAWN.installed():
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must check the Dawn runtime: {DAWN.install_hint}")
+        pytest.skip(DAWN.install_hint)
+    gpu = DAWN.gpu()
+    old = os.environ.get("WGPU_BACKEND_TYPE")
+    os.environ["WGPU_BACKEND_TYPE"] = "Null"
+    try:
+        return gpu.gpu.request_adapter_sync()
+    finally:
+        if old is None:
+            del os.environ["WGPU_BACKEND_TYPE"]
+        else:
+            os.environ["WGPU_BACKEND_TYPE"] = old
+
+
+def _toggles(device):
+    from wgpudawn.backends.dawn import extras
+
+    return set(extras.get_toggles(device))
+
+
+def test_instance_toggles_reach_the_device(null_adapter):
+    dev = DAWN.request_device(null_adapter, [], {})
+    got = _toggles(dev)
+    assert set(DAWN.instance_toggles) <= got  # subgroup matrices and f16 on NVIDIA unlocked
+    assert not set(DAWN.device_toggles) & got  # timestamp quantization off
+    assert "disable_robustness" not in got  # bounds checks stay on by default
+    dev.destroy()
+
+
+def test_robustness_off_only_when_asked(null_adapter):
+    dev = DAWN.request_device(null_adapter, [], {}, enable_toggles=("disable_robustness",))
+    assert "disable_robustness" in _toggles(dev)
+    dev.destroy()
+
+
+def test_features_requested_in_dawn_spelling_and_reported_in_ours(null_adapter):
+    offered = set(map(str, null_adapter.features))
+    wanted = [f for f in DAWN.wanted_features() if f in offered]
+    assert DAWN.subgroup_feature in wanted and DAWN.sgmat_feature in wanted  # the Null adapter has both
+    dev = DAWN.request_device(null_adapter, wanted, {})
+    feats = DAWN.logical_features(dev.features)
+    assert {SUBGROUP, SUBGROUP_MATRIX, "shader-f16"} <= feats
+    assert DAWN.subgroup_feature not in feats and DAWN.sgmat_feature not in feats
+    dev.destroy()
+
+
+def test_feature_names_map_both_ways():
+    # disable_features accepts the host's names and either runtime's spelling
+    assert DAWN.runtime_feature("subgroup") == "subgroups"
+    assert DAWN.runtime_feature("subgroups") == "subgroups"
+    assert DAWN.runtime_feature("subgroup-matrix") == "chromium-experimental-subgroup-matrix"
+    assert WGPU_NATIVE.runtime_feature("subgroups") == "subgroup"
+    assert WGPU_NATIVE.runtime_feature("shader_f16") == "shader-f16"
+    assert WGPU_NATIVE.sgmat_feature is None and WGPU_NATIVE.runtime_feature("subgroup-matrix") == "subgroup-matrix"
+
+
+def test_no_subgroup_matrix_configurations_without_the_feature(null_adapter):
+    # the Null adapter offers the feature but no configuration: nothing may be assumed
+    assert DAWN.subgroup_matrix_configs(null_adapter) == frozenset()
+    assert WGPU_NATIVE.subgroup_matrix_configs(null_adapter) == frozenset()
