@@ -42,3 +42,34 @@ def WgpuBackend():
     avail = WgpuBackend.probe()
     assert avail.ok, f"the wgpu backend must be available for these tests: {avail.reason}"
     return WgpuBackend
+
+
+@pytest.fixture
+def dawn_runtime():
+    """The Dawn runtime record, for tests that need ``wgpudawn`` but no GPU (its Null adapter).
+
+    Skipped where ``wgpudawn`` is missing, except in continuous integration (``CI`` set), which
+    installs it and must run these tests.
+    """
+    import os
+
+    from paged_sparse_attn.backends.wgpu._runtime import DAWN
+
+    if not DAWN.installed():
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the Dawn checks: {DAWN.install_hint}")
+        pytest.skip(DAWN.install_hint)
+    return DAWN
+
+
+@pytest.fixture
+def tint_device(dawn_runtime):
+    """``(device, ctx)``: a device of Dawn's Null adapter (Tint validates shaders and pipelines,
+    nothing runs) and the context ``kernel_source`` needs; the device is destroyed afterwards."""
+    from paged_sparse_attn.backends.wgpu._shader_check import null_context, null_device
+
+    device = null_device()
+    try:
+        yield device, null_context()
+    finally:
+        device.destroy()

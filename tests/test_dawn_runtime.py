@@ -5,30 +5,15 @@ backend asks of Dawn is checked wherever ``wgpudawn`` is installed (CI included,
 these: ``CI`` set and ``wgpudawn`` missing is a failure, not a skip).
 """
 
-import os
-
 import pytest
 
 from paged_sparse_attn.backends.wgpu._runtime import DAWN, SUBGROUP, SUBGROUP_MATRIX, WGPU_NATIVE
 
 
 @pytest.fixture
-def null_adapter():
+def null_adapter(dawn_runtime):
     """A fresh Null adapter (an adapter opens one device only)."""
-    if not DAWN.installed():
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI must check the Dawn runtime: {DAWN.install_hint}")
-        pytest.skip(DAWN.install_hint)
-    gpu = DAWN.gpu()
-    old = os.environ.get("WGPU_BACKEND_TYPE")
-    os.environ["WGPU_BACKEND_TYPE"] = "Null"
-    try:
-        return gpu.gpu.request_adapter_sync()
-    finally:
-        if old is None:
-            del os.environ["WGPU_BACKEND_TYPE"]
-        else:
-            os.environ["WGPU_BACKEND_TYPE"] = old
+    return dawn_runtime.null_adapter()
 
 
 def _toggles(device):

@@ -5,19 +5,12 @@ its Null adapter validates shaders and runs nothing. Where ``wgpudawn`` is missi
 skipped, except in continuous integration (``CI`` set), which installs it and must run it.
 """
 
-import os
-
 import pytest
 
 from paged_sparse_attn.backends.wgpu._kernels import KERNEL_TABLE
-from paged_sparse_attn.backends.wgpu._runtime import DAWN
 
 
-def test_every_kernel_compiles_under_tint():
-    if not DAWN.installed():
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI must check the shaders with Tint: {DAWN.install_hint}")
-        pytest.skip(DAWN.install_hint)
+def test_every_kernel_compiles_under_tint(dawn_runtime):
     from paged_sparse_attn.backends.wgpu._shader_check import tint_check
 
     result = tint_check()
@@ -28,10 +21,8 @@ def test_every_kernel_compiles_under_tint():
     assert not failed, f"Tint rejects: {failed}"
 
 
-def test_tint_check_reports_a_bad_shader(monkeypatch):
+def test_tint_check_reports_a_bad_shader(monkeypatch, dawn_runtime):
     """The check is not vacuous: a shader Tint rejects (a constant NaN) is reported."""
-    if not DAWN.installed():
-        pytest.skip(DAWN.install_hint)
     from paged_sparse_attn.backends.wgpu import _shader_check, _shaders
 
     bad = "@compute @workgroup_size(1) fn main() { let x = bitcast<f32>(0x7fc00000u); }"
@@ -42,38 +33,29 @@ def test_tint_check_reports_a_bad_shader(monkeypatch):
     assert result["bad.wgsl"] is not None and "nan" in result["bad.wgsl"].lower()
 
 
-def test_gemm_variants_create_pipelines_with_the_workgroup_memory_the_host_counts():
+def test_gemm_variants_create_pipelines_with_the_workgroup_memory_the_host_counts(tint_device):
     """Every GEMM variant of the matmul ceiling is a valid pipeline under Tint where it fits
     Dawn's Null adapter (16 KiB of workgroup memory, 256 invocations); larger ones are refused
     with exactly the workgroup memory ``GemmVariant.workgroup_bytes`` counts (the host skips
     them by that count on devices with less)."""
-    if not DAWN.installed():
-        pytest.skip(DAWN.install_hint)
-    from types import SimpleNamespace
-
     from paged_sparse_attn.backends.wgpu._ceilings import GEMM_VARIANTS
-    from paged_sparse_attn.backends.wgpu._kernels import SGMAT_SHAPE, kernel_source
-    from paged_sparse_attn.backends.wgpu._shader_check import _null_device
+    from paged_sparse_attn.backends.wgpu._kernels import kernel_source
 
-    device = _null_device()
+    device, ctx = tint_device
     lim = dict(device.limits)
-    ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
     tiled = [v for v in GEMM_VARIANTS if v.tiled]
     assert tiled and any(v.workgroup_bytes <= lim["max-compute-workgroup-storage-size"] for v in tiled)
     modules = {}
-    try:
-        for v in tiled:
-            if v.kernel not in modules:
-                modules[v.kernel] = device.create_shader_module(code=kernel_source(ctx, v.kernel), label=v.kernel)
-            assert v.invocations <= lim["max-compute-invocations-per-workgroup"]
-            desc = {"module": modules[v.kernel], "entry_point": "main", "constants": v.c}
-            if v.workgroup_bytes <= lim["max-compute-workgroup-storage-size"]:
+    for v in tiled:
+        if v.kernel not in modules:
+            modules[v.kernel] = device.create_shader_module(code=kernel_source(ctx, v.kernel), label=v.kernel)
+        assert v.invocations <= lim["max-compute-invocations-per-workgroup"]
+        desc = {"module": modules[v.kernel], "entry_point": "main", "constants": v.c}
+        if v.workgroup_bytes <= lim["max-compute-workgroup-storage-size"]:
+            device.create_compute_pipeline(layout="auto", compute=desc)
+        else:
+            with pytest.raises(Exception, match=rf"\({v.workgroup_bytes} bytes\)"):
                 device.create_compute_pipeline(layout="auto", compute=desc)
-            else:
-                with pytest.raises(Exception, match=rf"\({v.workgroup_bytes} bytes\)"):
-                    device.create_compute_pipeline(layout="auto", compute=desc)
-    finally:
-        device.destroy()
 
 
 def test_gemm_error_bound_passes_the_exact_product_and_fails_a_lost_k_step():

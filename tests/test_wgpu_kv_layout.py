@@ -172,52 +172,32 @@ _RH_PIPELINES = [
 
 
 @pytest.mark.parametrize("kernel, f16, constants", _RH_PIPELINES, ids=lambda x: str(x)[:28])
-def test_R34_the_nhd_pipelines_pass_tint(kernel, f16, constants):
+def test_R34_the_nhd_pipelines_pass_tint(kernel, f16, constants, tint_device):
     """Each cache-reading kernel specialised for an NHD cache of 3 heads (RH = 3) is a valid
     pipeline under Tint (Dawn's Null adapter, no GPU); naga builds them in the tests above."""
-    from types import SimpleNamespace
+    from paged_sparse_attn.backends.wgpu._kernels import kernel_source
 
-    from paged_sparse_attn.backends.wgpu._kernels import SGMAT_SHAPE, kernel_source
-    from paged_sparse_attn.backends.wgpu._runtime import DAWN
-
-    if not DAWN.installed():
-        pytest.skip(DAWN.install_hint)
-    from paged_sparse_attn.backends.wgpu._shader_check import _null_device
-
-    device = _null_device()
-    try:
-        if f16 and "shader-f16" not in device.features:
-            pytest.skip("Dawn's Null adapter has no shader-f16 here")
-        ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
-        module = device.create_shader_module(code=kernel_source(ctx, kernel, f16=f16), label=kernel)
-        device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
-                                                               "constants": {**constants, "RH": 3}})
-    finally:
-        device.destroy()
+    device, ctx = tint_device
+    if f16 and "shader-f16" not in device.features:
+        pytest.skip("Dawn's Null adapter has no shader-f16 here")
+    module = device.create_shader_module(code=kernel_source(ctx, kernel, f16=f16), label=kernel)
+    device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                           "constants": {**constants, "RH": 3}})
 
 
-def test_R34_the_sgmat_kernel_takes_rh_under_tint():
+def test_R34_the_sgmat_kernel_takes_rh_under_tint(tint_device):
     """The subgroup-matrix partials kernel declares RH too: with RH = 3 Tint refuses its pipeline
     only for the workgroup memory the host counts (the Null adapter allows 16 KiB), as without."""
     from types import SimpleNamespace
 
     from paged_sparse_attn.backends.wgpu import _sgmat
     from paged_sparse_attn.backends.wgpu._kernels import SGMAT_SHAPE, kernel_source
-    from paged_sparse_attn.backends.wgpu._runtime import DAWN
-
-    if not DAWN.installed():
-        pytest.skip(DAWN.install_hint)
-    from paged_sparse_attn.backends.wgpu._shader_check import _null_device
 
     ctx_geom = SimpleNamespace(sgmat=frozenset({SGMAT_SHAPE}), workgroup_storage=49152, max_invocations=1024,
                                subgroup=(32, ""))
     g = _sgmat.choose_sgmat_geometry(ctx_geom, D=64, S=16, G=8, block_size=64, rows_needed=8, kv_itemsize=2)
-    device = _null_device()
-    try:
-        ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
-        module = device.create_shader_module(code=kernel_source(ctx, "psa_partials_sgmat.wgsl"), label="sgmat")
-        with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
-            device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
-                                                                   "constants": {**g.constants(), "RH": 3}})
-    finally:
-        device.destroy()
+    device, ctx = tint_device
+    module = device.create_shader_module(code=kernel_source(ctx, "psa_partials_sgmat.wgsl"), label="sgmat")
+    with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
+        device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                               "constants": {**g.constants(), "RH": 3}})

@@ -105,28 +105,20 @@ def test_a_device_without_subgroup_matrices_refuses_the_kernel_and_auto_runs_the
 
 
 @pytest.mark.parametrize("D, block_size, rows", [(128, 128, 32), (64, 64, 8), (256, 64, 32), (16, 32, 240)])
-def test_pipelines_with_the_hosts_constants_pass_tint_up_to_the_workgroup_memory_it_counts(D, block_size, rows):
+def test_pipelines_with_the_hosts_constants_pass_tint_up_to_the_workgroup_memory_it_counts(D, block_size, rows,
+                                                                                          tint_device):
     """Under Tint (Dawn's Null adapter, no GPU) the kernel with the constants the host picks is
     refused only for its workgroup memory, exactly the bytes ``sgmat_workgroup_bytes`` counts (the
     Null adapter allows 16 KiB; the kernel needs about 48)."""
-    from paged_sparse_attn.backends.wgpu._runtime import DAWN
-
-    if not DAWN.installed():
-        pytest.skip(DAWN.install_hint)
-    from paged_sparse_attn.backends.wgpu._kernels import SGMAT_SHAPE, kernel_source
-    from paged_sparse_attn.backends.wgpu._shader_check import _null_device
+    from paged_sparse_attn.backends.wgpu._kernels import kernel_source
 
     g = _sgmat.choose_sgmat_geometry(_ctx(), D=D, S=16, G=8, block_size=block_size, rows_needed=rows, kv_itemsize=2)
-    device = _null_device()
-    try:
-        ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
-        module = device.create_shader_module(code=kernel_source(ctx, "psa_partials_sgmat.wgsl"), label="sgmat")
-        assert g.WG <= dict(device.limits)["max-compute-invocations-per-workgroup"]
-        with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
-            device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
-                                                                   "constants": g.constants()})
-    finally:
-        device.destroy()
+    device, ctx = tint_device
+    module = device.create_shader_module(code=kernel_source(ctx, "psa_partials_sgmat.wgsl"), label="sgmat")
+    assert g.WG <= dict(device.limits)["max-compute-invocations-per-workgroup"]
+    with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
+        device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                               "constants": g.constants()})
 
 
 def test_batch_invariance_cannot_be_combined_with_the_sgmat_kernel(WgpuBackend):

@@ -17,8 +17,6 @@ from ._runtime import SUBGROUP, WGPU_NATIVE, Runtime, gpu_error_types
 from ._webgpu import BufferUsage
 
 __all__ = [
-    "DRIVER_HINT",
-    "INSTALL_HINT",
     "MAX_PIPELINES",
     "WEBGPU_DEFAULT_LIMITS",
     "DeviceContext",
@@ -31,8 +29,6 @@ __all__ = [
     "subgroup_size",
 ]
 
-INSTALL_HINT = WGPU_NATIVE.install_hint
-DRIVER_HINT = WGPU_NATIVE.driver_hint
 
 # The WebGPU specification's default limits (what a portable program may assume). Requesting
 # these instead of the adapter's maxima catches code that only runs on generous hardware.
@@ -80,14 +76,6 @@ REPORTED_LIMITS = (
     "min-uniform-buffer-offset-alignment",
     "min-storage-buffer-offset-alignment",
 )
-
-# Features the backend uses when the adapter has them (Runtime.wanted_features). timestamp-query
-# is always requested (it costs nothing until a query set is written; profiling and
-# copy_bandwidth need it); subgroup is what the decode partials kernel needs (its shuffles);
-# without it decode calls run the generic kernel; subgroup matrices (Dawn) are what the tensor
-# core kernels need.
-WANTED_FEATURES = WGPU_NATIVE.wanted_features()
-
 
 MAX_PIPELINES = 64
 """Compiled pipelines a device keeps (least recently used evicted first)."""
@@ -203,16 +191,6 @@ def _measure_subgroup(ctx: DeviceContext) -> tuple[int | None, str]:
     return size, ""
 
 
-def timestamp_period(device: Any, runtime: Runtime = WGPU_NATIVE) -> float:
-    """Nanoseconds per timestamp tick of ``device``'s queue; 1.0 if it cannot tell.
-
-    WebGPU promises nanoseconds, but wgpu-native resolves raw ticks unless asked to normalise;
-    on the devices measured so far (NVIDIA Vulkan, lavapipe) the period is 1.0. Dawn resolves
-    nanoseconds.
-    """
-    return runtime.timestamp_period(device)
-
-
 def request_adapter(power_preference: str = "high-performance", runtime: Runtime = WGPU_NATIVE):
     """Return an adapter of ``runtime`` or None. Raises ImportError when its module is missing."""
     gpu = runtime.gpu()
@@ -310,7 +288,7 @@ def open_device(
         max_invocations=int(lim["max-compute-invocations-per-workgroup"]),
         uniform_align=max(256, int(lim.get("min-uniform-buffer-offset-alignment", 256))),
         generation=generation,
-        ns_per_tick=timestamp_period(device, runtime),
+        ns_per_tick=runtime.timestamp_period(device),
         runtime=runtime,
     )
     if runtime.sgmat_feature in feats:

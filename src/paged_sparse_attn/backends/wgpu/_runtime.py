@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,13 @@ class Runtime:
         return mod
 
     def wanted_features(self) -> tuple[str, ...]:
-        """Features requested when the adapter has them (runtime spelling)."""
+        """Features requested when the adapter has them (runtime spelling).
+
+        timestamp-query is always requested (it costs nothing until a query set is written;
+        profiling and copy_bandwidth need it); subgroup is what the decode partials kernel needs
+        (its shuffles; without it decode calls run the generic kernel); subgroup matrices are
+        what the tensor-core kernels need.
+        """
         feats = ["shader-f16", "timestamp-query", self.subgroup_feature]
         if self.sgmat_feature:
             feats.append(self.sgmat_feature)
@@ -109,6 +116,23 @@ class Runtime:
                                               disable_toggles=list(self.device_toggles))
         return adapter.request_device_sync(required_features=features, required_limits=limits)
 
+    def null_adapter(self):
+        """Dawn's Null adapter: validates everything (WGSL through Tint included) and runs nothing,
+        so shaders and device requests are checked without a GPU. A fresh adapter per call (an
+        adapter opens one device). Dawn only; ImportError without ``wgpudawn``."""
+        if self.name != "dawn":
+            raise ValueError(f"runtime {self.name!r} has no Null adapter")
+        gpu = self.gpu()
+        old = os.environ.get("WGPU_BACKEND_TYPE")
+        os.environ["WGPU_BACKEND_TYPE"] = "Null"  # read when the adapter is requested
+        try:
+            return gpu.gpu.request_adapter_sync()
+        finally:
+            if old is None:
+                del os.environ["WGPU_BACKEND_TYPE"]
+            else:
+                os.environ["WGPU_BACKEND_TYPE"] = old
+
     def subgroup_matrix_configs(self, adapter) -> frozenset:
         """(M, N, K) of the adapter's f16 x f16 -> f32 subgroup-matrix configurations (empty if none)."""
         if not self.sgmat_feature or self.sgmat_feature not in set(map(str, adapter.features)):
@@ -123,7 +147,11 @@ class Runtime:
                          if c.get("component_type") == "f16" and c.get("result_component_type") == "f32")
 
     def timestamp_period(self, device) -> float:
-        """Nanoseconds per resolved timestamp tick (Dawn resolves nanoseconds)."""
+        """Nanoseconds per resolved timestamp tick of ``device``'s queue; 1.0 if it cannot tell.
+
+        WebGPU promises nanoseconds, but wgpu-native resolves raw ticks unless asked to
+        normalise (on NVIDIA Vulkan and lavapipe the period is 1.0); Dawn resolves nanoseconds.
+        """
         if self.name != "wgpu":
             return 1.0
         try:

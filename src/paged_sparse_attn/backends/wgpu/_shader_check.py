@@ -7,32 +7,29 @@ still checks that every shader compiles under Tint as well as under naga.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 from ._kernels import KERNEL_TABLE, SGMAT_SHAPE, kernel_source
 from ._runtime import DAWN
 
-__all__ = ["tint_check"]
+__all__ = ["null_context", "null_device", "tint_check"]
 
 # Shaders outside the kernel table (a probe and a bandwidth ceiling), compiled as they are
 # compiled at run time: (file, needs the subgroup directive).
 EXTRA_SHADERS = (("psa_subgroup_size.wgsl", True), ("psa_read_bandwidth.wgsl", False))
 
 
-def _null_device():
-    gpu = DAWN.gpu()
-    old = os.environ.get("WGPU_BACKEND_TYPE")
-    os.environ["WGPU_BACKEND_TYPE"] = "Null"  # read when the adapter is requested
-    try:
-        adapter = gpu.gpu.request_adapter_sync()
-    finally:
-        if old is None:
-            del os.environ["WGPU_BACKEND_TYPE"]
-        else:
-            os.environ["WGPU_BACKEND_TYPE"] = old
+def null_device():
+    """A device of Dawn's Null adapter with the features the kernels need (Tint, no GPU)."""
+    adapter = DAWN.null_adapter()
     feats = [f for f in ("shader-f16", DAWN.subgroup_feature, DAWN.sgmat_feature) if f in adapter.features]
     return adapter.request_device_sync(required_features=feats)
+
+
+def null_context() -> SimpleNamespace:
+    """What ``kernel_source`` reads of a device context, for Dawn with 16x16x16 subgroup matrices
+    (so that every kernel of the table, the tensor-core ones included, gets its directives)."""
+    return SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
 
 
 def tint_check() -> dict[str, str | None]:
@@ -46,8 +43,8 @@ def tint_check() -> dict[str, str | None]:
     """
     from ._shaders import shader_source
 
-    device = _null_device()
-    ctx = SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
+    device = null_device()
+    ctx = null_context()
     sources = {}
     for name, row in KERNEL_TABLE.items():
         sources[name] = kernel_source(ctx, name)
