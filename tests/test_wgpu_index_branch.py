@@ -297,3 +297,71 @@ def test_R22_wgpu_decode_block_scores_match_loop_reference(be, seed):
         got = _scores(c, be, causal)
         ref = block_scores_reference(*score_args(c), block_size=c["block_size"], causal=causal)
         assert_scores_close(got, ref, score_bound(c, causal))
+
+
+def _decode_score_kernels(backend) -> set:
+    """Decode block-score kernels the backend has built pipelines of."""
+    return {k[0] for k in backend._device().pipelines if str(k[0]).startswith("psa_block_scores_decode")}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_R22_wgpu_decode_scores_key_groups_equal_rows_kernel(WgpuBackend, seed):
+    """Decode items read by key groups of one subgroup (``psa_block_scores_decode_sg.wgsl``) give
+    the loop reference within the bound of R22, -inf and NaN exactly where it has them, the same
+    on a second run (R19), and never read what nothing may see (poisoned memory changes no bit);
+    the one-row-per-invocation kernel it replaces gives results within the same bound."""
+    rng = np.random.default_rng(100 + seed)
+    groups = WgpuBackend(required_limits="default")
+    rows = WgpuBackend(required_limits="default")
+    rows._decode_scores_sg = False
+    size = groups._device().subgroup[0]
+    if size is None:
+        pytest.fail(f"the wgpu device measured no subgroup size: {groups._device().subgroup[1]}")
+    dtype = np.float16 if seed % 2 else np.float32
+    # index rows of 1 .. `size` 16-byte units (the widest a group of one subgroup reads)
+    units = int(rng.integers(1, size + 1))
+    d = units * 16 // np.dtype(dtype).itemsize - int(rng.integers(0, 4 if dtype == np.float32 else 1))
+    B, Hkv = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    T = rng.integers(0, 2, size=B)
+    T[0] = 1  # at least one query
+    S, ppb, msb = int(rng.choice([1, 2, 4])), int(rng.choice([1, 2, 3])), int(rng.integers(1, 5))
+    lens = rng.integers(0, msb * S * ppb + 1, size=B)
+    lens[0] = max(1, lens[0])
+    c = make_case(200 + seed, B=B, Hkv=Hkv, msb=msb, T=T, lens=lens, d=d, shared=bool(seed % 3), S=S, ppb=ppb,
+                  holes=0.0 if seed < 4 else 0.3, dtype=dtype)
+    for causal in (True, False):
+        got = _scores(c, groups, causal)
+        if seed < 4:  # (no holes: something is readable, the kernel ran)
+            assert _decode_score_kernels(groups) == {"psa_block_scores_decode_sg.wgsl"}
+        ref = block_scores_reference(*score_args(c), block_size=c["block_size"], causal=causal)
+        assert_scores_close(got, ref, score_bound(c, causal))
+        np.testing.assert_array_equal(_scores(c, groups, causal), got)
+        assert_scores_close(_scores(c, rows, causal), ref, score_bound(c, causal))
+        keep = _cells_below(c, c["used_kv_lens"])
+        poisoned = dict(c, index_k_cache=_poison(c, rng, keep=keep))
+        np.testing.assert_array_equal(_scores(poisoned, groups, causal), got)
+    assert _decode_score_kernels(rows) <= {"psa_block_scores_decode.wgsl"}
+    assert _decode_score_kernels(groups) <= {"psa_block_scores_decode_sg.wgsl"}
+
+
+def test_R22_wgpu_decode_scores_key_groups_nan_inf_and_chunks(WgpuBackend, be_split):
+    """Visible NaN and infinite index keys reach the decode scores exactly as in the reference; a
+    cache split into many binding chunks gives the same bits."""
+    be = WgpuBackend(required_limits="default")
+    c = make_case(7, B=3, S=2, ppb=2, msb=4, Hkv=4, d=16, T=[1, 1, 1], lens=[15, 9, 16], holes=0.0,
+                  extra_cols=0, dtype=np.float16)
+    ik = c["index_k_cache"].copy()
+    bt = c["block_tables"]
+    ik[bt[0, 1], 0, 0, 3] = np.nan  # sequence 0, position 2: block 0 NaN
+    ik[bt[1, 2], 0, 1, 5] = np.inf  # sequence 1, position 5: block 1 +-inf (sign of the query)
+    ik[bt[2, 7], 0, 1, :] = -np.inf  # sequence 2, position 15
+    bound = score_bound(c, False)  # of the clean keys: at least the bound of the finite scores
+    c = dict(c, index_k_cache=ik)
+    got = _scores(c, be, False)
+    assert _decode_score_kernels(be) == {"psa_block_scores_decode_sg.wgsl"}
+    want = block_scores_reference(*score_args(c), block_size=c["block_size"], causal=False)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[0, :, 0]).all()
+    assert np.array_equal(np.isposinf(got), np.isposinf(want))
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    assert_scores_close(got, want, bound)
+    np.testing.assert_array_equal(_scores(c, be_split, False), got)

@@ -168,6 +168,8 @@ _RH_PIPELINES = [
     ("psa_partials_decode.wgsl", True, {"D": 64, "S": 16, "NG": 8, "WG": 32, "TD": 16, "EU": 8, "R": 8, "SG": 32}),
     ("psa_block_scores.wgsl", False, {"DV": 2, "S": 4, "BS": 16, "DCV": 2, "RT": 8}),
     ("psa_block_scores_decode.wgsl", True, {"DV": 2, "S": 4, "BS": 16, "WG": 128, "NR": 8}),
+    ("psa_block_scores_decode_sg.wgsl", False, {"DV": 32, "S": 4, "BS": 16, "EU": 8, "R": 16, "SG": 32, "WG": 128,
+                                                "NR": 8}),
 ]
 
 

@@ -31,6 +31,7 @@ __all__ = ["IndexBranchMixin", "decode_score_keys"]
 SCORES = "psa_block_scores.wgsl"
 SCORES_DECODE = "psa_block_scores_decode.wgsl"  # items of <= 8 rows (one query per sequence)
 SCORES_DECODE_WG = 128
+SCORES_DECODE_SG = "psa_block_scores_decode_sg.wgsl"  # the same items, key rows read by lane groups
 TOPK = "psa_select_topk.wgsl"
 SCORES_WG = 64  # rows per block-score work item at most (override RT of the shader)
 TOPK_WG = 64
@@ -40,6 +41,34 @@ TOPK_WG = 64
 # resident); 64-row items (prefill) keep DCV = 8.
 SCORES_STAGE = {64: (8, 4, 2, 1)}
 SCORES_STAGE_SMALL = (2, 1)
+
+
+def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, wg_limit: int,
+                        enabled: bool = True) -> tuple[dict | None, str]:
+    """Override constants of psa_block_scores_decode_sg.wgsl for items of at most ``rows`` (<= 8)
+    rows of index queries of ``DV`` vec4s over index keys of ``itemsize`` bytes, or ``(None, why)``
+    when it does not apply (psa_block_scores_decode.wgsl runs instead).
+
+    A key row must be whole 16-byte units (TE of them), read by a key group of R lanes: a power
+    of two >= TE and >= 8, at most the device's measured subgroup size.
+    """
+    if not enabled:
+        return None, "turned off"
+    size, why = subgroup
+    if size is None:
+        return None, why
+    row_bytes = DV * 4 * itemsize
+    if row_bytes % 16:
+        return None, f"an index key row of {row_bytes} bytes is not whole 16-byte units"
+    te = row_bytes // 16
+    lanes = max(8, 1 << max(0, te - 1).bit_length())
+    if lanes > size:
+        return None, f"an index key row is {te} 16-byte units, read by {lanes} lanes; the subgroup size is {size}"
+    wg = max(lanes, int(size), min(SCORES_DECODE_WG, wg_limit))
+    if wg > wg_limit:
+        return None, f"the device allows {wg_limit} invocations per workgroup"
+    return {"DV": DV, "EU": 16 // itemsize, "R": lanes, "SG": int(size), "WG": wg,
+            "NR": 4 if rows <= 4 else 8}, ""
 
 
 def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
@@ -269,7 +298,15 @@ class IndexBranchMixin:
         DCV = 0
         if self._batch_invariant:  # R27: one kernel and one tile whatever the batch
             rows_per_seq = SCORES_WG
-        if rows_per_seq <= 8 and 8 * DV * 16 + 32 <= ctx.workgroup_storage:
+        sg, _ = decode_sg_constants(DV=DV, itemsize=np.dtype(ik.dtype).itemsize, rows=rows_per_seq,
+                                    subgroup=ctx.subgroup, wg_limit=ctx.max_invocations,
+                                    enabled=self._decode_scores_sg)
+        if rows_per_seq <= 8 and sg is not None:
+            # decode, key rows read by groups of lanes of one subgroup (coalesced whole rows)
+            RT = 8
+            pipe, bgl = self._ib_pipeline(SCORES_DECODE_SG, False, {**sg, "S": S, "BS": BS,
+                                                                     **layout.kernel_constants()})
+        elif rows_per_seq <= 8 and 8 * DV * 16 + 32 <= ctx.workgroup_storage:
             # decode: items of at most 8 rows read their keys one row per invocation (measured on
             # the H200: 501 us with the tiled kernel's best stage for the decode layer's 8192 items)
             RT = 8

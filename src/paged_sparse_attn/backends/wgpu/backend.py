@@ -199,6 +199,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                              f"got {decode_workgroup_size}")
         self._decode_wg = None if decode_workgroup_size is None else int(decode_workgroup_size)
         self._decode_pf = None if decode_prefetch is None else bool(decode_prefetch)
+        self._decode_scores_sg = True  # False: decode block scores one key row per invocation (comparisons)
         self._profiling = False  # profile_forward: timestamps on every pass
         self._one_pass = False  # profile_forward: one timed pass for the whole call, as forward() encodes it
         self._replay = 1  # profile_forward(replay=): passes encoded this many times per call

@@ -1,0 +1,280 @@
+// psa_block_scores_decode_sg.wgsl — block scores of the index branch (R22) for items of at most 8
+// rows, read as whole coalesced key rows by key groups of one subgroup (needs the `subgroup`
+// feature: shuffles). The host prefers it to psa_block_scores_decode.wgsl wherever it applies.
+//
+// Same bindings, params record, work items and output keys as psa_block_scores.wgsl (read its
+// header); the host uses this kernel when an item holds at most 8 rows (decode: the Hkv KV heads
+// of one query, one shared index key head), a key row is whole 16-byte units and one key group of
+// R <= subgroup-size lanes holds a row. Such an item's time is the reading of its keys: in
+// psa_block_scores_decode.wgsl each invocation reads one whole key row (a warp's load touches 32
+// rows 8 bytes each), here the R lanes of a group read one row together (a warp's load is R
+// consecutive 16-byte units of each of 32 / R rows: whole sectors), which is what a bandwidth-bound
+// read wants.
+//
+// Layout (the one of psa_partials_decode.wgsl's score half). A key group is R consecutive lanes
+// of one subgroup; lane r owns unit r of every key row it reads and holds the item's queries'
+// dims of that unit (EU of them) for all row slots in registers. The workgroup's NGRP = WG / R
+// groups take the block's positions in chunks of 4: chunk c of group g is positions
+// (c NGRP + g) 4 .. + 3, its 4 loads issued together. Per position a lane forms a partial dot
+// product per row slot (8, or 4 when NR <= 4) and reduce-scatters them across the group with
+// shuffles (see `logit`), which leaves lane r with the full logit of one row slot; the lane
+// keeps that row's largest key over the visible positions in a register. At the end the lanes' keys are combined per row with
+// workgroup atomics (a max: the same whatever the order, R19). Every sum is in a fixed order
+// (dims within a lane, then the shuffle steps), so results are bitwise deterministic (R19).
+//
+// Masking (R10, R22) as in psa_block_scores.wgsl: a position is read only when it is below
+// npos and its page is in the bound chunk (its units stay zero otherwise, and it is never
+// counted); it counts for a row only when also below the row's query_end. Loops run the same
+// trip counts on every lane of the workgroup, so shuffles never run in divergent control flow.
+//
+// Bindings (group 0): as psa_block_scores.wgsl, except
+//   2 ik      storage, read        vec4<u32> [n_slabs_in_chunk, S, TE]  index keys of one chunk as
+//                                  16-byte units (EU = 4 float32 or EU = 8 float16 elements;
+//                                  float16 needs no shader-f16 feature: unpack2x16float); with
+//                                  RH > 1 (NHD, R34) whole pages [n_pages, S, RH, TE]
+//
+// Override constants
+//   DV  vec4s per index query row (ceil(d_idx / 4))     S  page size     BS  block size
+//   EU  index-key elements per unit (4: float32, 8: float16); TE = 4 DV / EU units per key row
+//   NR  row slots the host plans (<= 8; 4 or fewer skips the upper four slots' arithmetic)
+//   R   lanes per key group: a power of two, 8 <= R <= SG, TE <= R
+//   SG  the device's subgroup size, as the host measured it (lanes = invocation index mod SG)
+//   WG  workgroup size: a multiple of R and of SG
+
+override DV: u32;
+override S: u32;
+override RH: u32 = 1u;               // index key heads interleaved per page row: 1 (HND) or Hk_idx (NHD, R34)
+override BS: u32;
+override EU: u32 = 8u;
+override TE: u32 = DV * 4u / EU;     // 16-byte units per key row
+override NR: u32 = 8u;
+override R: u32 = 16u;
+override SG: u32 = 32u;
+override WG: u32 = 128u;
+override NGRP: u32 = WG / R;         // key groups per workgroup
+const INVALID: u32 = 0xffffffffu;
+const NAN_KEY: u32 = 0xffffffffu;
+
+struct Params {
+    item_base: u32,
+    n_items: u32,
+    grid_x: u32,
+    items_off: u32,
+    heads: u32,
+    msb: u32,
+    scale: f32,
+    chunk_first: u32,
+    chunk_end: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> iq: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> ik: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> pages: array<u32>;
+@group(0) @binding(4) var<storage, read> plan: array<u32>;
+@group(0) @binding(5) var<storage, read_write> out: array<u32>;
+
+var<workgroup> red: array<atomic<u32>, 8>;  // row maxima (max: order-free, R19)
+
+fn logit_key(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {
+        return NAN_KEY;
+    }
+    if ((b & 0x80000000u) != 0u) {
+        return ~b;
+    }
+    return b | 0x80000000u;
+}
+
+// Row of offset `off` of slab `slab` of the bound chunk (R34): HND (RH = 1) slab * S + off; NHD
+// the page's row off * RH + head, with page slab / RH and head slab % RH.
+fn ik_row(slab: u32, off: u32) -> u32 {
+    let page = slab / RH;
+    return (page * S + off) * RH + (slab - page * RH);
+}
+
+// unit r of the key row of block position p (zeros when p is not readable: past npos, or its
+// page is not in the bound chunk), and whether it was read
+fn key_unit(pg: u32, p: u32, npos: u32, r: u32, ok: ptr<function, bool>) -> vec4<u32> {
+    *ok = false;
+    if (p < npos) {
+        let slab = pages[pg + p / S];  // INVALID is >= every chunk_end
+        if (slab >= params.chunk_first && slab < params.chunk_end) {
+            *ok = true;
+            if (r < TE) {
+                return ik[ik_row(slab - params.chunk_first, p % S) * TE + r];
+            }
+        }
+    }
+    return vec4<u32>(0u);
+}
+
+// elements 0..3 of a unit, and 4..7 when EU = 8
+fn lo4(u: vec4<u32>) -> vec4<f32> {
+    if (EU == 8u) {
+        return vec4<f32>(unpack2x16float(u.x), unpack2x16float(u.y));
+    }
+    return bitcast<vec4<f32>>(u);
+}
+
+fn hi4(u: vec4<u32>) -> vec4<f32> {
+    if (EU == 8u) {
+        return vec4<f32>(unpack2x16float(u.z), unpack2x16float(u.w));
+    }
+    return vec4<f32>(0.0);
+}
+
+// query vec4 j of row slot x of the item (zeros past n_rows and past the row)
+fn qload(x: u32, j: u32, r0: u32, n_rows: u32, t0: u32, nh: u32, h_off: u32) -> vec4<f32> {
+    if (x >= n_rows || j >= DV) {
+        return vec4<f32>(0.0);
+    }
+    let rr = r0 + x;
+    return iq[((t0 + rr / nh) * params.heads + h_off + rr % nh) * DV + j];
+}
+
+// a lane's dims of the 8 row slots' queries: a0..a7 elements 0..3 of its unit, b0..b7 4..7
+// (named members, no dynamically indexed array: it may leave registers)
+struct Queries {
+    a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>,
+    a4: vec4<f32>, a5: vec4<f32>, a6: vec4<f32>, a7: vec4<f32>,
+    b0: vec4<f32>, b1: vec4<f32>, b2: vec4<f32>, b3: vec4<f32>,
+    b4: vec4<f32>, b5: vec4<f32>, b6: vec4<f32>, b7: vec4<f32>,
+}
+
+// the full logit of row slot hs(r) on lane r from a unit's elements (x: 0..3, y: 4..7): per-slot
+// partial dot products, reduce-scattered over the R lanes of the group. NR > 4: 8 slots (4, 2,
+// 1, then 1 value per shuffle step), hs(r) = 4 [r & R/2] + 2 [r & R/4] + [r & R/8]; else 4 slots
+// (2, 1, then 1), hs(r) = 2 [r & R/2] + [r & R/4]
+fn logit(qs: Queries, x: vec4<f32>, y: vec4<f32>, r: u32) -> f32 {
+    var lo = vec4<f32>(dot(qs.a0, x), dot(qs.a1, x), dot(qs.a2, x), dot(qs.a3, x));
+    if (EU == 8u) {
+        lo += vec4<f32>(dot(qs.b0, y), dot(qs.b1, y), dot(qs.b2, y), dot(qs.b3, y));
+    }
+    let ba = (r & (R / 2u)) != 0u;
+    var w2: vec2<f32>;
+    var msk0 = R / 4u;  // the first full-sum step
+    if (NR > 4u) {
+        var hi = vec4<f32>(dot(qs.a4, x), dot(qs.a5, x), dot(qs.a6, x), dot(qs.a7, x));
+        if (EU == 8u) {
+            hi += vec4<f32>(dot(qs.b4, y), dot(qs.b5, y), dot(qs.b6, y), dot(qs.b7, y));
+        }
+        let w4 = select(lo, hi, ba) + subgroupShuffleXor(select(hi, lo, ba), R / 2u);
+        let bb = (r & (R / 4u)) != 0u;
+        w2 = select(w4.xy, w4.zw, bb) + subgroupShuffleXor(select(w4.zw, w4.xy, bb), R / 4u);
+        msk0 = R / 8u;
+    } else {
+        w2 = select(lo.xy, lo.zw, ba) + subgroupShuffleXor(select(lo.zw, lo.xy, ba), R / 2u);
+    }
+    let bc = (r & msk0) != 0u;
+    var w = select(w2.x, w2.y, bc) + subgroupShuffleXor(select(w2.y, w2.x, bc), msk0);
+    for (var msk = msk0 / 2u; msk > 0u; msk >>= 1u) {
+        w += subgroupShuffleXor(w, msk);
+    }
+    return w;
+}
+
+// the row slot whose logit lane r holds after `logit`
+fn slot_of(r: u32) -> u32 {
+    let ba = select(0u, 1u, (r & (R / 2u)) != 0u);
+    let bb = select(0u, 1u, (r & (R / 4u)) != 0u);
+    if (NR > 4u) {
+        return 4u * ba + 2u * bb + select(0u, 1u, (r & (R / 8u)) != 0u);
+    }
+    return 2u * ba + bb;
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+        @builtin(subgroup_invocation_id) sl: u32, @builtin(subgroup_size) sgs: u32) {
+    let item = wid.y * params.grid_x + wid.x;
+    if (item >= params.n_items) {
+        return;
+    }
+    let ib = params.items_off + (params.item_base + item) * 8u;
+    let t0 = plan[ib];
+    let r0 = plan[ib + 1u];
+    let n_rows = plan[ib + 2u];
+    let nh = plan[ib + 3u];
+    let h_off = plan[ib + 4u];
+    let pg = plan[ib + 5u];
+    let npos = plan[ib + 6u];
+    let s = plan[ib + 7u];
+
+    let r = lid % R;             // lane in the key group: owns unit r of every key row
+    let grp = lid / R;           // key group
+    let hs = slot_of(r);         // row slot whose logit lane r holds
+    // the layout assumes subgroups of SG consecutive invocations (what the host measured); a
+    // device that breaks it gets NaN scores (loud), never plausible numbers
+    let broken = sgs != SG || sl != lid % SG;
+
+    if (lid < 8u) {
+        atomicStore(&red[lid], 0u);  // explicitly: not every driver zeroes workgroup memory
+    }
+    // this lane's dims of the item's queries (unit r: vec4s jo and jo + 1 of each row slot), and
+    // the query_end of its slot's row
+    let jo = r * (EU / 4u);
+    var qs: Queries;
+    qs.a0 = qload(0u, jo, r0, n_rows, t0, nh, h_off);
+    qs.a1 = qload(1u, jo, r0, n_rows, t0, nh, h_off);
+    qs.a2 = qload(2u, jo, r0, n_rows, t0, nh, h_off);
+    qs.a3 = qload(3u, jo, r0, n_rows, t0, nh, h_off);
+    qs.a4 = qload(4u, jo, r0, n_rows, t0, nh, h_off);
+    qs.a5 = qload(5u, jo, r0, n_rows, t0, nh, h_off);
+    qs.a6 = qload(6u, jo, r0, n_rows, t0, nh, h_off);
+    qs.a7 = qload(7u, jo, r0, n_rows, t0, nh, h_off);
+    if (EU == 8u) {
+        qs.b0 = qload(0u, jo + 1u, r0, n_rows, t0, nh, h_off);
+        qs.b1 = qload(1u, jo + 1u, r0, n_rows, t0, nh, h_off);
+        qs.b2 = qload(2u, jo + 1u, r0, n_rows, t0, nh, h_off);
+        qs.b3 = qload(3u, jo + 1u, r0, n_rows, t0, nh, h_off);
+        qs.b4 = qload(4u, jo + 1u, r0, n_rows, t0, nh, h_off);
+        qs.b5 = qload(5u, jo + 1u, r0, n_rows, t0, nh, h_off);
+        qs.b6 = qload(6u, jo + 1u, r0, n_rows, t0, nh, h_off);
+        qs.b7 = qload(7u, jo + 1u, r0, n_rows, t0, nh, h_off);
+    }
+    var qend = 0;
+    if (hs < n_rows) {
+        qend = bitcast<i32>(plan[t0 + (r0 + hs) / nh]);
+    }
+    workgroupBarrier();
+
+    var best = 0u;
+    let step = NGRP * 4u;
+    for (var kb = 0u; kb < npos; kb += step) {  // (the same trip count on every lane)
+        let k0 = kb + grp * 4u;
+        var ok0: bool;
+        var ok1: bool;
+        var ok2: bool;
+        var ok3: bool;
+        let c0 = key_unit(pg, k0, npos, r, &ok0);
+        let c1 = key_unit(pg, k0 + 1u, npos, r, &ok1);
+        let c2 = key_unit(pg, k0 + 2u, npos, r, &ok2);
+        let c3 = key_unit(pg, k0 + 3u, npos, r, &ok3);
+        let z0 = logit(qs, lo4(c0), hi4(c0), r);
+        let z1 = logit(qs, lo4(c1), hi4(c1), r);
+        let z2 = logit(qs, lo4(c2), hi4(c2), r);
+        let z3 = logit(qs, lo4(c3), hi4(c3), r);
+        let pos = i32(s * BS + k0);
+        best = max(best, select(0u, logit_key(params.scale * z0), ok0 && pos < qend));
+        best = max(best, select(0u, logit_key(params.scale * z1), ok1 && pos + 1 < qend));
+        best = max(best, select(0u, logit_key(params.scale * z2), ok2 && pos + 2 < qend));
+        best = max(best, select(0u, logit_key(params.scale * z3), ok3 && pos + 3 < qend));
+    }
+    if (broken) {
+        best = NAN_KEY;
+    }
+    if (hs < n_rows) {
+        atomicMax(&red[hs], best);
+    }
+    workgroupBarrier();
+    if (lid < n_rows) {
+        let rr = r0 + lid;
+        let o = ((t0 + rr / nh) * params.heads + h_off + rr % nh) * params.msb + s;
+        out[o] = max(out[o], atomicLoad(&red[lid]));
+    }
+}
