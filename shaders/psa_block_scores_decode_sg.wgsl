@@ -15,7 +15,8 @@
 // of one subgroup; lane r owns unit r of every key row it reads and holds the item's queries'
 // dims of that unit (EU of them) for all row slots in registers. The workgroup's NGRP = WG / R
 // groups take the block's positions in chunks of 4: chunk c of group g is positions
-// (c NGRP + g) 4 .. + 3, its 4 loads issued together. Per position a lane forms a partial dot
+// (c NGRP + g) 4 .. + 3, its 4 loads issued together (with PF = 1 before the previous
+// chunk's math). Per position a lane forms a partial dot
 // product per row slot (8, or 4 when NR <= 4) and reduce-scatters them across the group with
 // shuffles (see `logit`), which leaves lane r with the full logit of one row slot; the lane
 // keeps that row's largest key over the visible positions in a register. At the end the lanes' keys are combined per row with
@@ -40,6 +41,7 @@
 //   R   lanes per key group: a power of two, 8 <= R <= SG, TE <= R
 //   SG  the device's subgroup size, as the host measured it (lanes = invocation index mod SG)
 //   WG  workgroup size: a multiple of R and of SG
+//   PF  1: the next chunk's loads in flight during a chunk (more registers per lane)
 
 override DV: u32;
 override S: u32;
@@ -51,6 +53,7 @@ override NR: u32 = 8u;
 override R: u32 = 16u;
 override SG: u32 = 32u;
 override WG: u32 = 128u;
+override PF: u32 = 0u;               // 1: the next chunk's loads in flight during a chunk
 override NGRP: u32 = WG / R;         // key groups per workgroup
 const INVALID: u32 = 0xffffffffu;
 const NAN_KEY: u32 = 0xffffffffu;
@@ -111,6 +114,28 @@ fn key_unit(pg: u32, p: u32, npos: u32, r: u32, ok: ptr<function, bool>) -> vec4
         }
     }
     return vec4<u32>(0u);
+}
+
+// a chunk: this lane's unit of the key rows of positions k0 .. k0 + 3, and which were read
+struct Chunk {
+    u0: vec4<u32>,
+    u1: vec4<u32>,
+    u2: vec4<u32>,
+    u3: vec4<u32>,
+    ok: vec4<bool>,
+}
+
+// the chunk of positions k0 .. k0 + 3, its 4 loads issued together
+fn load_chunk(pg: u32, k0: u32, npos: u32, r: u32) -> Chunk {
+    var ok0: bool;
+    var ok1: bool;
+    var ok2: bool;
+    var ok3: bool;
+    let u0 = key_unit(pg, k0, npos, r, &ok0);
+    let u1 = key_unit(pg, k0 + 1u, npos, r, &ok1);
+    let u2 = key_unit(pg, k0 + 2u, npos, r, &ok2);
+    let u3 = key_unit(pg, k0 + 3u, npos, r, &ok3);
+    return Chunk(u0, u1, u2, u3, vec4<bool>(ok0, ok1, ok2, ok3));
 }
 
 // elements 0..3 of a unit, and 4..7 when EU = 8
@@ -245,25 +270,30 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
     var best = 0u;
     let step = NGRP * 4u;
+    // PF = 1: chunk 0's loads here, and in the loop the next chunk's loads are issued before the
+    // current chunk's math (two chunks in flight per lane); PF = 0: each chunk's loads at the top
+    // of its iteration
+    var next: Chunk;
+    if (PF == 1u) {
+        next = load_chunk(pg, grp * 4u, npos, r);
+    }
     for (var kb = 0u; kb < npos; kb += step) {  // (the same trip count on every lane)
         let k0 = kb + grp * 4u;
-        var ok0: bool;
-        var ok1: bool;
-        var ok2: bool;
-        var ok3: bool;
-        let c0 = key_unit(pg, k0, npos, r, &ok0);
-        let c1 = key_unit(pg, k0 + 1u, npos, r, &ok1);
-        let c2 = key_unit(pg, k0 + 2u, npos, r, &ok2);
-        let c3 = key_unit(pg, k0 + 3u, npos, r, &ok3);
-        let z0 = logit(qs, lo4(c0), hi4(c0), r);
-        let z1 = logit(qs, lo4(c1), hi4(c1), r);
-        let z2 = logit(qs, lo4(c2), hi4(c2), r);
-        let z3 = logit(qs, lo4(c3), hi4(c3), r);
+        var c = next;
+        if (PF == 1u) {
+            next = load_chunk(pg, k0 + step, npos, r);
+        } else {
+            c = load_chunk(pg, k0, npos, r);
+        }
+        let z0 = logit(qs, lo4(c.u0), hi4(c.u0), r);
+        let z1 = logit(qs, lo4(c.u1), hi4(c.u1), r);
+        let z2 = logit(qs, lo4(c.u2), hi4(c.u2), r);
+        let z3 = logit(qs, lo4(c.u3), hi4(c.u3), r);
         let pos = i32(s * BS + k0);
-        best = max(best, select(0u, logit_key(params.scale * z0), ok0 && pos < qend));
-        best = max(best, select(0u, logit_key(params.scale * z1), ok1 && pos + 1 < qend));
-        best = max(best, select(0u, logit_key(params.scale * z2), ok2 && pos + 2 < qend));
-        best = max(best, select(0u, logit_key(params.scale * z3), ok3 && pos + 3 < qend));
+        best = max(best, select(0u, logit_key(params.scale * z0), c.ok.x && pos < qend));
+        best = max(best, select(0u, logit_key(params.scale * z1), c.ok.y && pos + 1 < qend));
+        best = max(best, select(0u, logit_key(params.scale * z2), c.ok.z && pos + 2 < qend));
+        best = max(best, select(0u, logit_key(params.scale * z3), c.ok.w && pos + 3 < qend));
     }
     if (broken) {
         best = NAN_KEY;

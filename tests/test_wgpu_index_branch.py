@@ -305,11 +305,16 @@ def _decode_score_kernels(backend) -> set:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_R22_wgpu_decode_scores_key_groups_equal_rows_kernel(WgpuBackend, seed):
+def test_R22_wgpu_decode_scores_key_groups_equal_rows_kernel(WgpuBackend, seed, monkeypatch):
     """Decode items read by key groups of one subgroup (``psa_block_scores_decode_sg.wgsl``) give
     the loop reference within the bound of R22, -inf and NaN exactly where it has them, the same
     on a second run (R19), and never read what nothing may see (poisoned memory changes no bit);
     the one-row-per-invocation kernel it replaces gives results within the same bound."""
+    from paged_sparse_attn.backends.wgpu import _index_branch
+
+    # both load schedules (the next chunk's loads in flight or not), workgroups of 1-4 subgroups
+    monkeypatch.setattr(_index_branch, "SCORES_DECODE_SG_PF", seed % 2)
+    monkeypatch.setattr(_index_branch, "SCORES_DECODE_SG_WG", (32, 64, 128)[seed % 3])
     rng = np.random.default_rng(100 + seed)
     groups = WgpuBackend(required_limits="default")
     rows = WgpuBackend(required_limits="default")

@@ -32,6 +32,13 @@ SCORES = "psa_block_scores.wgsl"
 SCORES_DECODE = "psa_block_scores_decode.wgsl"  # items of <= 8 rows (one query per sequence)
 SCORES_DECODE_WG = 128
 SCORES_DECODE_SG = "psa_block_scores_decode_sg.wgsl"  # the same items, key rows read by lane groups
+# its workgroup size (at least R and the subgroup size) and whether the next chunk's loads are in
+# flight during a chunk (override PF). Measured on the H200 (decode layer, 8192 items of 4 rows,
+# 268 MB of float16 index keys; scripts/experiment_decode.py): WG 64 without prefetch 114.9 us
+# (wgpu) / 122.3 (dawn), WG 128 123.9 / 129.5, WG 256 147.2 / 150.7, WG 64 with prefetch
+# 122.3 / 127.8, WG 32 with prefetch 119.4 / 124.5; one key row per invocation 189.6 / 190.6
+SCORES_DECODE_SG_WG = 64
+SCORES_DECODE_SG_PF = 0
 TOPK = "psa_select_topk.wgsl"
 SCORES_WG = 64  # rows per block-score work item at most (override RT of the shader)
 TOPK_WG = 64
@@ -64,11 +71,11 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
     lanes = max(8, 1 << max(0, te - 1).bit_length())
     if lanes > size:
         return None, f"an index key row is {te} 16-byte units, read by {lanes} lanes; the subgroup size is {size}"
-    wg = max(lanes, int(size), min(SCORES_DECODE_WG, wg_limit))
+    wg = max(lanes, int(size), min(SCORES_DECODE_SG_WG, wg_limit))
     if wg > wg_limit:
         return None, f"the device allows {wg_limit} invocations per workgroup"
     return {"DV": DV, "EU": 16 // itemsize, "R": lanes, "SG": int(size), "WG": wg,
-            "NR": 4 if rows <= 4 else 8}, ""
+            "NR": 4 if rows <= 4 else 8, "PF": SCORES_DECODE_SG_PF}, ""
 
 
 def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:

@@ -1,0 +1,138 @@
+"""Decode kernel variants on the MSA decode layer (GPU timestamps): what each part costs.
+
+Usage: ``python scripts/experiment_decode.py [--backends wgpu dawn] [--repeat 8] [--quick]``. For the
+decode layer workload of the bench (B=32, L=32k, Hq=32, Hkv=4, D=128, top-16, f16, index dim
+128) it prints, per backend:
+
+* the block-score pass of ``AttentionPlan.run_sparse`` with ``psa_block_scores_decode_sg.wgsl``
+  (key groups, the default; several workgroup sizes, with and without the next chunk's loads in
+  flight) and with ``psa_block_scores_decode.wgsl`` (one key row per invocation), median GPU
+  time, and the index keys' read bandwidth;
+* (Dawn also with ``robustness=False``: the device without Dawn's bounds checks)
+* the partials + combine of one decode call (``profile_forward``'s ``call_s``, steady state) for
+  variants of ``psa_partials_decode.wgsl`` with parts of its R26 handling taken out (timing only:
+  those variants are not R26-correct), to see what the special-value handling costs.
+
+Each variant runs on a fresh device, so no pipeline is shared between variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import paged_sparse_attn as psa
+from paged_sparse_attn import registry
+from paged_sparse_attn._validation import validate_forward
+from paged_sparse_attn.backends.wgpu import _index_branch as ib
+from paged_sparse_attn.backends.wgpu import _kernels
+from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, QUICK_LAYER_WORKLOADS
+from paged_sparse_attn.bench.workloads import make_problem
+
+DECODE = "psa_partials_decode.wgsl"
+# (text, replacement) edits of psa_partials_decode.wgsl; every text must occur in the file
+R26_VARIANTS = {
+    "as is": [],
+    "no removed-value branch": [("if (removed) {", "if (false) {")],
+    "max for nan_max": [("return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));",
+                         "return max(a, b);")],
+    "removed-value branch empty": [("da = pv(ph.x, x0) + pv(ph.y, x1) + pv(ph.z, x2) + pv(ph.w, x3);",
+                                    "da = vec4<f32>(0.0);"),
+                                   ("db = pv(ph.x, y0) + pv(ph.y, y1) + pv(ph.z, y2) + pv(ph.w, y3);",
+                                    "db = vec4<f32>(0.0);")],
+    "always the removed-value path": [("if (removed) {", "if (true) {")],
+    "no R26 (pre-R26 arithmetic)": [
+        ("if (removed) {", "if (false) {"),
+        ("return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));", "return max(a, b);"),
+        ("let ninf = vec4<bool>(is_ninf(s[0]), is_ninf(s[1]), is_ninf(s[2]), is_ninf(s[3]));",
+         "let ninf = vec4<bool>(false);"),
+    ],
+}
+
+
+def _with_edits(edits):
+    orig = _kernels.shader_source
+
+    def src(name, f16=False):
+        text = orig(name, f16=f16)
+        if name == DECODE:
+            for old, new in edits:
+                if old not in text:
+                    raise SystemExit(f"variant edit not found in {DECODE}: {old!r}")
+                text = text.replace(old, new)
+        return text
+
+    return orig, src
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", nargs="*", default=None)
+    ap.add_argument("--repeat", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="the bench's small decode workload (a smoke run)")
+    a = ap.parse_args()
+    lw = (QUICK_LAYER_WORKLOADS if a.quick else LAYER_WORKLOADS)[0]
+    w = lw.w
+    p = make_problem(w, seed=1, fill="selected")
+    rng = np.random.default_rng(3)
+    ik = rng.standard_normal((p["k_cache"].shape[0], 1, w.page_size, lw.index_dim), dtype=np.float32).astype(w.dtype)
+    iq = rng.standard_normal((p["q"].shape[0], w.Hkv, lw.index_dim), dtype=np.float32)
+    key_bytes = int(np.minimum(p["used_kv_lens"], w.L).sum()) * lw.index_dim * np.dtype(w.dtype).itemsize
+    names = a.backends or [n for n, av in registry.list_backends().items() if av.ok and n != "numpy"]
+    t_all = time.perf_counter()
+    runs = [(n, {}) for n in names] + [(n, {"robustness": False}) for n in names if n == "dawn"]
+    for name, opts in runs:
+        cls = type(registry.get_backend(name))
+        print(f"== {name} {opts}: {registry.get_backend(name)}", flush=True)
+        # (key groups?, workgroup size, next chunk in flight)
+        for sg, wg, pf in ((True, 128, 0), (True, 128, 1), (True, 64, 0), (True, 64, 1), (True, 256, 0),
+                           (True, 32, 1), (False, 0, 0)):
+            ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF = wg or 128, pf
+            be = cls(timestamps=True, **opts)
+            be._decode_scores_sg = sg
+            k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
+            ikd = be.upload_index_cache(ik)
+            plan = psa.plan_attention(p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"], block_size=w.block_size,
+                                      page_size=w.page_size, num_q_heads=w.Hq, num_kv_heads=w.Hkv, head_dim=w.D,
+                                      kv_dtype=w.dtype, topk=w.topk, causal=w.causal, index_dim=lw.index_dim,
+                                      num_index_heads=1, index_dtype=w.dtype, backend=be)
+            ts, sel = [], None
+            for i in range(a.repeat + 2):
+                out = plan.run_sparse(p["q"], k, v, iq, ikd)
+                ts.append(dict(be.last_timings))
+            kern = sorted({x[0] for x in be._device().pipelines if "block_scores" in str(x[0])})
+            sc = float(np.median([t.get("gpu_scores_s", np.nan) for t in ts[2:]]))
+            tot = float(np.median([t.get("gpu_total_s", np.nan) for t in ts[2:]]))
+            print(f"  block scores {kern} WG {wg} PF {pf}: {sc * 1e6:8.1f} us ({key_bytes / sc / 1e12:.2f} TB/s of index keys); "
+                  f"whole layer GPU {tot * 1e6:8.1f} us", flush=True)
+            sel = np.asarray(out[0] if isinstance(out, tuple) else out)
+            if (wg, pf) == (128, 0):
+                ref_out = sel
+            else:
+                print(f"    same output as WG 128 PF 0: {np.array_equal(ref_out, sel)}", flush=True)
+            plan.close()
+            be.close()
+        for vname, edits in R26_VARIANTS.items():
+            orig, src = _with_edits(edits)
+            _kernels.shader_source = src
+            try:
+                be = cls(timestamps=True, **opts)
+                k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
+                prob = validate_forward("experiment", p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"],
+                                        used_kv_lens=p["used_kv_lens"], block_size=w.block_size, softmax_scale=None,
+                                        causal=w.causal)
+                ix = psa.build_kvouter_index(p["selected"], p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"],
+                                             block_size=w.block_size, page_size=w.page_size, causal=w.causal)
+                prof = be.profile_forward(prob, ix, repeat=a.repeat, replay="auto", warmup_s=0.5)
+                print(f"  decode partials+combine, {vname:28s}: {prof['call_s'] * 1e6:8.1f} us "
+                      f"(kernel {prof.get('kernel')})", flush=True)
+                be.close()
+            finally:
+                _kernels.shader_source = orig
+    print(f"done in {time.perf_counter() - t_all:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
