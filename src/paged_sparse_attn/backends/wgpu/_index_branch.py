@@ -78,6 +78,53 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
             "NR": 4 if rows <= 4 else 8, "PF": SCORES_DECODE_SG_PF}, ""
 
 
+# The tensor-core variant (16x16x16 f16 subgroup matrices; docs/spec/numerics.md, "Block scores
+# on tensor cores"): float16 HND index keys, 16 <= d_idx <= 128, items of 16 .. 64 rows.
+SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
+SGMAT_SCORES_DIMS = (16, 128)
+SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
+
+
+def sgmat_scores_workgroup_bytes(rt: int) -> int:
+    """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable rounded up to 16 bytes, as
+    Dawn counts it): the f16 tile (8704 halves), the f32 results (4352), the position flags (64),
+    six per-row arrays and three flags."""
+    return 2 * 8704 + 4 * 4352 + 4 * 64 + 6 * (-(-4 * int(rt) // 16) * 16) + 3 * 16
+
+
+def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd: bool,
+                           batch_invariant: bool, choice: str = "auto"):
+    """``(override constants, "")`` of psa_block_scores_sgmat.wgsl for these block scores, or
+    ``(None, why)`` when the FMA kernel runs. ``choice`` "fma" never takes it, "sgmat" raises
+    :class:`UnsupportedError` instead of returning None (to compare the kernels)."""
+    why = ""
+    if choice == "fma":
+        return None, "the FMA kernel was asked for"
+    if (16, 16, 16) not in getattr(ctx, "sgmat", frozenset()):
+        why = "the device has no f16 16x16x16 subgroup matrices"
+    elif not f16:
+        why = "the index keys are not float16"
+    elif not hnd:
+        why = "the index keys are not HND slabs"
+    elif batch_invariant:
+        why = "batch_invariant=True keeps one kernel for every batch"
+    elif rows_per_seq <= 8:
+        why = "decode items (<= 8 rows) keep their kernel"
+    elif not SGMAT_SCORES_DIMS[0] <= d_idx <= SGMAT_SCORES_DIMS[1]:
+        why = f"d_idx is outside {SGMAT_SCORES_DIMS[0]}..{SGMAT_SCORES_DIMS[1]}"
+    elif getattr(ctx, "subgroup", (None,))[0] != SGMAT_SCORES_SUBGROUP:
+        why = f"the subgroup size is not {SGMAT_SCORES_SUBGROUP}"
+    else:
+        rt = max(16, score_rows_per_item(rows_per_seq))
+        if sgmat_scores_workgroup_bytes(rt) > ctx.workgroup_storage:
+            why = f"{sgmat_scores_workgroup_bytes(rt)} bytes of workgroup memory needed"
+        else:
+            return {"RT": rt}, ""
+    if choice == "sgmat":
+        raise UnsupportedError(f"block_scores(): the tensor-core kernel cannot run: {why} [R18]")
+    return None, why
+
+
 def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
     """Workgroup memory of psa_block_scores.wgsl: staged queries (RT rows) and keys (128
     positions) of DCV vec4s, the position flags and the row maxima."""
@@ -320,6 +367,13 @@ class IndexBranchMixin:
             pipe, bgl = self._ib_pipeline(SCORES_DECODE, f16, {"DV": DV, "S": S, "BS": BS, "WG": SCORES_DECODE_WG,
                                                                   "NR": 4 if rows_per_seq <= 4 else 8,
                                                                   **layout.kernel_constants()})
+        elif (tc := sgmat_scores_constants(ctx, f16=f16, d_idx=d, rows_per_seq=rows_per_seq,
+                                           hnd=layout.rh == 1 and layout.kv_layout == "HND",
+                                           batch_invariant=self._batch_invariant,
+                                           choice=getattr(self, "_scores_kernel", "auto")))[0] is not None:
+            # tensor cores: the FMA kernel's items (of RT rows), bindings, params and output
+            RT = tc[0]["RT"]
+            pipe, bgl = self._ib_pipeline(SCORES_SGMAT, False, {"DV": DV, "S": S, "BS": BS, **tc[0]})
         else:
             RT = score_rows_per_item(rows_per_seq)
             fits = [c for c in SCORES_STAGE.get(RT, SCORES_STAGE_SMALL)

@@ -47,6 +47,7 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_block_scores.wgsl": Kernel("urrrrw", f16=True, subgroups=True),
     "psa_block_scores_decode.wgsl": Kernel("urrrrw", f16=True),
     "psa_block_scores_decode_sg.wgsl": Kernel("urrrrw", subgroups=True),  # index keys as 16-byte units, any dtype
+    "psa_block_scores_sgmat.wgsl": Kernel("urrrrw", sgmat=True),  # float16 HND index keys, tensor cores
     "psa_select_topk.wgsl": Kernel("urrw"),
     # ceilings the benchmark measures (no attention kernel)
     "psa_gemm_sgmat.wgsl": Kernel("urrw", sgmat=True),

@@ -1,0 +1,81 @@
+"""The tensor-core block-score kernel (``psa_block_scores_sgmat.wgsl``): Tint compiles it, and the
+host picks it exactly where it applies.
+
+No device in CI runs subgroup matrices; numerics are checked on such a device by
+``scripts/check_sgmat_scores.py``. Tint (Dawn's Null adapter) validates the shader and reports
+the workgroup memory of its pipelines, which must equal the host's count.
+"""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from paged_sparse_attn.backends.wgpu._index_branch import (
+    SCORES_SGMAT,
+    sgmat_scores_constants,
+    sgmat_scores_workgroup_bytes,
+)
+from paged_sparse_attn.backends.wgpu._kernels import KERNEL_TABLE, kernel_source
+from paged_sparse_attn.errors import UnsupportedError
+
+
+def _ctx(**kw):
+    base = dict(sgmat=frozenset({(16, 16, 16), (16, 8, 16)}), subgroup=(32, ""), workgroup_storage=49152)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _pick(ctx=None, **kw):
+    args = dict(f16=True, d_idx=128, rows_per_seq=64, hnd=True, batch_invariant=False)
+    return sgmat_scores_constants(ctx or _ctx(), **{**args, **kw})
+
+
+def test_kernel_table_row_is_a_subgroup_matrix_drop_in_for_the_fma_kernel():
+    row, fma = KERNEL_TABLE[SCORES_SGMAT], KERNEL_TABLE["psa_block_scores.wgsl"]
+    assert row.sgmat and not fma.sgmat and not row.f16
+    assert row.bindings == fma.bindings  # same bindings: the host planning is one code path
+
+
+@pytest.mark.parametrize("rows, rt", [(9, 16), (16, 16), (17, 32), (33, 64), (64, 64), (200, 64)])
+def test_the_kernel_tile_covers_the_items_rows(rows, rt):
+    geo, why = _pick(rows_per_seq=rows)
+    assert geo == {"RT": rt}, why
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(ctx=_ctx(sgmat=frozenset())), "subgroup matrices"),
+    (dict(ctx=_ctx(sgmat=frozenset({(16, 8, 16)}))), "subgroup matrices"),
+    (dict(f16=False), "float16"),
+    (dict(hnd=False), "HND"),
+    (dict(batch_invariant=True), "batch_invariant"),
+    (dict(rows_per_seq=8), "decode"),
+    (dict(d_idx=8), "d_idx"),
+    (dict(d_idx=136), "d_idx"),
+    (dict(ctx=_ctx(subgroup=(64, ""))), "subgroup size"),
+    (dict(ctx=_ctx(subgroup=(None, "not measured"))), "subgroup size"),
+    (dict(ctx=_ctx(workgroup_storage=32768)), "workgroup memory"),
+    (dict(choice="fma"), "FMA"),
+])
+def test_the_fma_kernel_runs_where_the_tensor_core_kernel_does_not_apply(kw, reason):
+    geo, why = _pick(**kw)
+    assert geo is None and reason in why
+
+
+def test_forcing_the_tensor_core_kernel_where_it_cannot_run_raises():
+    assert _pick(choice="sgmat")[0] == {"RT": 64}
+    with pytest.raises(UnsupportedError, match="HND"):
+        _pick(hnd=False, choice="sgmat")
+
+
+@pytest.mark.parametrize("rt", [16, 32, 64])
+def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device, rt):
+    """The Null adapter allows 16 KiB of workgroup memory: the pipeline is refused with the
+    byte count Tint computed from the shader, which must be the host's."""
+    device, ctx = tint_device
+    module = device.create_shader_module(code=kernel_source(ctx, SCORES_SGMAT))
+    with pytest.raises(Exception) as err:
+        device.create_compute_pipeline(layout="auto", compute={
+            "module": module, "entry_point": "main", "constants": {"DV": 32, "S": 64, "BS": 128, "RT": rt}})
+    used = re.search(r"workgroup storage \((\d+) bytes\)", str(err.value))
+    assert used is not None, str(err.value)
+    assert int(used.group(1)) == sgmat_scores_workgroup_bytes(rt)
