@@ -40,6 +40,12 @@
 // log-sum-exp weights: the groups of a subgroup pairwise with shuffles, then the NSG subgroups
 // in order through workgroup memory (nothing to do there with one subgroup per workgroup).
 //
+// Special values (R26). Each edge is first run by a fast pass (see edge_keys) that multiplies
+// every key's value by its weight; a score of -inf must remove its position value included (a
+// NaN value times its weight would reach the row), so a lane that meets one sets a workgroup
+// flag and the whole edge is redone by the exact pass, which keeps such values out of the sums.
+// Which pass counts depends only on the data: results stay deterministic (R19).
+//
 // A masked key (past the edge's edge_len, or on an INVALID page) is never read (R10): its K and V
 // units stay zero, it is left out of the maximum and its p is 0, so memory that may hold NaN is
 // never multiplied by a zero weight. Every sum is in a fixed order (shuffle steps, chunk order,
@@ -118,6 +124,8 @@ fn pv(p: f32, v: vec4<f32>) -> vec4<f32> {
 var<workgroup> gm: array<f32, 8u * NSG>;            // subgroup merge: running max [subgroup][head slot]
 var<workgroup> gl: array<f32, 8u * NSG>;            // running sum [subgroup][head slot]
 var<workgroup> obuf: array<vec4<f32>, OB>;          // accumulators of subgroups 1.. [sg-1][head][td]
+var<workgroup> redo: atomic<u32>;                   // a lane saw a removed key: the edge is redone exactly
+var<workgroup> redo_u: u32;                         // (redo, for workgroupUniformLoad)
 
 // unit index of the cache row of block position `pos`, or INVALID (past len, or not readable)
 fn locate(pages: u32, pos: u32, len: u32) -> u32 {
@@ -274,6 +282,203 @@ fn store4(prow: u32, j: u32, a: vec4<f32>) {
     if (4u * j + 3u < D) { o_out[ob + 3u] = a.w; }
 }
 
+// a lane's dims of the query for the 8 head slots: q0..q7 vec4 jo of the unit, u0..u7 vec4 jo + 1
+// (EU = 8)
+struct Query {
+    q0: vec4<f32>, q1: vec4<f32>, q2: vec4<f32>, q3: vec4<f32>,
+    q4: vec4<f32>, q5: vec4<f32>, q6: vec4<f32>, q7: vec4<f32>,
+    u0: vec4<f32>, u1: vec4<f32>, u2: vec4<f32>, u3: vec4<f32>,
+    u4: vec4<f32>, u5: vec4<f32>, u6: vec4<f32>, u7: vec4<f32>,
+}
+
+// a key group's state after an edge's keys: the running (m, l) of the lane's head slot, the
+// accumulators of the 8 head slots (a: vec4 jo, b: vec4 jo + 1), and whether the lane saw a key
+// scored -inf (removed, R26)
+struct Edge {
+    m: f32,
+    l: f32,
+    a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>,
+    a4: vec4<f32>, a5: vec4<f32>, a6: vec4<f32>, a7: vec4<f32>,
+    b0: vec4<f32>, b1: vec4<f32>, b2: vec4<f32>, b3: vec4<f32>,
+    b4: vec4<f32>, b5: vec4<f32>, b6: vec4<f32>, b7: vec4<f32>,
+    removed: bool,
+}
+
+// The keys of one edge (len keys of the block whose page list is at `pages`) for this lane's key
+// group. Called twice from main with constant `exact` and `pf`, so that each call compiles to its
+// own loop: the fast pass (exact = false, the kernel's PF) multiplies every key's value by its
+// weight, which is R26-exact unless a key is removed (its weight must multiply nothing, a NaN
+// value included); it only records whether a removal happened. The exact pass (exact = true,
+// no prefetch: fewer registers than the fast one) keeps removed keys' values out of the sums.
+// Keeping the exact arithmetic out of the fast loop measured 82-86 us against 110 us per decode
+// call on the H200 (a never-taken branch per chunk cost that much).
+fn edge_keys(exact: bool, pf: u32, qv: Query, pages: u32, len: u32, r: u32, grp: u32, base: u32) -> Edge {
+    let q0 = qv.q0;
+    let q1 = qv.q1;
+    let q2 = qv.q2;
+    let q3 = qv.q3;
+    let q4 = qv.q4;
+    let q5 = qv.q5;
+    let q6 = qv.q6;
+    let q7 = qv.q7;
+    let u0 = qv.u0;
+    let u1 = qv.u1;
+    let u2 = qv.u2;
+    let u3 = qv.u3;
+    let u4 = qv.u4;
+    let u5 = qv.u5;
+    let u6 = qv.u6;
+    let u7 = qv.u7;
+    var m = 0.0;   // running max of head slot hs over this group's keys (meaningful when l > 0)
+    var l = 0.0;   // running sum; 0 = nothing attended yet
+    // accumulators of head slots 0..7: dims of vec4 jo (a) and jo + 1 (b, when EU = 8)
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+    var b0 = vec4<f32>(0.0);
+    var b1 = vec4<f32>(0.0);
+    var b2 = vec4<f32>(0.0);
+    var b3 = vec4<f32>(0.0);
+    var b4 = vec4<f32>(0.0);
+    var b5 = vec4<f32>(0.0);
+    var b6 = vec4<f32>(0.0);
+    var b7 = vec4<f32>(0.0);
+    var saw = false;  // a key of this lane's head slot was scored -inf
+
+    // the block's page list, one entry per lane (when it fits: a row is then found with a
+    // shuffle instead of a memory round trip); read from the plan otherwise
+    let npages = (len + S - 1u) / S;
+    let pages_in_lanes = npages <= R;
+    var pg = INVALID;
+    if (r < npages && pages_in_lanes) {
+        pg = plan[pages + r];
+    }
+    let step = NGRP * 4u;
+    // PF = 1: chunk 0's loads here; in the loop the next chunk's loads are issued before the
+    // current chunk's math (two chunks in flight per lane). PF = 0: each chunk's loads at
+    // the top of its iteration (half the registers for loads)
+    var kn = grp * 4u;  // first key of the chunk to load next
+    var next: Chunk;
+    if (pf == 1u) {
+        next = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
+        kn += step;
+    }
+    for (var kb = 0u; kb < len; kb += step) {
+        var c = next;
+        if (pf == 0u) {
+            c = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
+        } else {
+            next = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
+        }
+        kn += step;
+        let row0 = c.rows.x;
+        let row1 = c.rows.y;
+        let row2 = c.rows.z;
+        let row3 = c.rows.w;
+
+        // scores of head slot hs for the 4 keys
+        var s = vec4<f32>(0.0);
+        for (var i = 0u; i < 4u; i++) {
+            var kk = c.k0;
+            switch i {
+                case 1u: { kk = c.k1; }
+                case 2u: { kk = c.k2; }
+                case 3u: { kk = c.k3; }
+                default: {}
+            }
+            let x = lo4(kk);
+            let y = hi4(kk);
+            var lo = vec4<f32>(dot(q0, x), dot(q1, x), dot(q2, x), dot(q3, x));
+            var hi = vec4<f32>(0.0);
+            if (NG > 4u) {
+                hi = vec4<f32>(dot(q4, x), dot(q5, x), dot(q6, x), dot(q7, x));
+            }
+            if (EU == 8u) {
+                lo += vec4<f32>(dot(u0, y), dot(u1, y), dot(u2, y), dot(u3, y));
+                if (NG > 4u) {
+                    hi += vec4<f32>(dot(u4, y), dot(u5, y), dot(u6, y), dot(u7, y));
+                }
+            }
+            s[i] = reduce8(lo, hi, r) * params.scale;
+        }
+
+        // running softmax of head slot hs over the chunk's valid keys; a key scored -inf is
+        // removed (R26): out of the max, weight REMOVED
+        let valid = vec4<bool>(row0 != INVALID, row1 != INVALID, row2 != INVALID, row3 != INVALID);
+        let ninf = vec4<bool>(is_ninf(s[0]), is_ninf(s[1]), is_ninf(s[2]), is_ninf(s[3]));
+        let att = valid & !ninf;
+        var alpha = 1.0;
+        var p = select(vec4<f32>(0.0), vec4<f32>(REMOVED), valid & ninf);
+        if (any(att)) {
+            var cmax = 0.0;
+            var seen = false;
+            for (var i = 0u; i < 4u; i++) {
+                if (att[i]) {
+                    cmax = select(s[i], nan_max(cmax, s[i]), seen);
+                    seen = true;
+                }
+            }
+            var m_new = cmax;
+            alpha = 0.0;  // nothing attended before: the accumulators are exactly 0
+            if (!(l == 0.0)) {  // (a NaN l is not "nothing": it must reach the output, R11)
+                m_new = nan_max(m, cmax);
+                alpha = exp(m - m_new);
+            }
+            for (var i = 0u; i < 4u; i++) {
+                if (att[i]) {
+                    p[i] = exp(s[i] - m_new);
+                }
+            }
+            m = m_new;
+            let pl = select(p, vec4<f32>(0.0), bitcast<vec4<u32>>(p) == vec4<u32>(REMOVED_BITS));  // removed keys weigh nothing
+            l = l * alpha + ((pl.x + pl.y) + (pl.z + pl.w));
+        }
+        saw = saw || any(valid & ninf);  // the fast pass is redone exactly (see edge_keys)
+
+        // o_h = o_h alpha_h + sum_i p_hi v_i, alpha and p of head h from its slot lane
+        let x0 = lo4(c.v0);
+        let x1 = lo4(c.v1);
+        let x2 = lo4(c.v2);
+        let x3 = lo4(c.v3);
+        let y0 = hi4(c.v0);
+        let y1 = hi4(c.v1);
+        let y2 = hi4(c.v2);
+        let y3 = hi4(c.v3);
+        for (var h = 0u; h < NG; h++) {
+            let src = base + slot_lane(h);
+            let ph = subgroupShuffle(p, src);
+            let ah = subgroupShuffle(alpha, src);
+            var da = ph.x * x0 + ph.y * x1 + ph.z * x2 + ph.w * x3;
+            var db = vec4<f32>(0.0);
+            if (EU == 8u) {
+                db = ph.x * y0 + ph.y * y1 + ph.z * y2 + ph.w * y3;
+            }
+            if (exact) {  // a removed key's value (maybe NaN) is not multiplied by its weight
+                da = pv(ph.x, x0) + pv(ph.y, x1) + pv(ph.z, x2) + pv(ph.w, x3);
+                if (EU == 8u) {
+                    db = pv(ph.x, y0) + pv(ph.y, y1) + pv(ph.z, y2) + pv(ph.w, y3);
+                }
+            }
+            switch h {
+                case 0u: { a0 = a0 * ah + da; b0 = b0 * ah + db; }
+                case 1u: { a1 = a1 * ah + da; b1 = b1 * ah + db; }
+                case 2u: { a2 = a2 * ah + da; b2 = b2 * ah + db; }
+                case 3u: { a3 = a3 * ah + da; b3 = b3 * ah + db; }
+                case 4u: { a4 = a4 * ah + da; b4 = b4 * ah + db; }
+                case 5u: { a5 = a5 * ah + da; b5 = b5 * ah + db; }
+                case 6u: { a6 = a6 * ah + da; b6 = b6 * ah + db; }
+                default: { a7 = a7 * ah + da; b7 = b7 * ah + db; }
+            }
+        }
+    }
+    return Edge(m, l, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, saw);
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32,
         @builtin(subgroup_invocation_id) sl: u32, @builtin(subgroup_size) sgs: u32) {
@@ -300,6 +505,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let jo = r * (EU / 4u);      // q / o vec4 of the unit's first 4 dims
     let nan = bitcast<f32>(NAN_BITS);
 
+    if (tid == 0u) {
+        atomicStore(&redo, 0u);  // explicitly: not every driver zeroes workgroup memory per workgroup
+    }
+    workgroupBarrier();
     for (var e = 0u; e < n_e; e++) {
         let qrow = plan[erec + 2u * e];
         let len = plan[erec + 2u * e + 1u];
@@ -330,153 +539,38 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             u6 = qload(qrow, g0, ng, 6u, jo + 1u);
             u7 = qload(qrow, g0, ng, 7u, jo + 1u);
         }
-        var m = 0.0;   // running max of head slot hs over this group's keys (meaningful when l > 0)
-        var l = 0.0;   // running sum; 0 = nothing attended yet
-        // accumulators of head slots 0..7: dims of vec4 jo (a) and jo + 1 (b, when EU = 8)
-        var a0 = vec4<f32>(0.0);
-        var a1 = vec4<f32>(0.0);
-        var a2 = vec4<f32>(0.0);
-        var a3 = vec4<f32>(0.0);
-        var a4 = vec4<f32>(0.0);
-        var a5 = vec4<f32>(0.0);
-        var a6 = vec4<f32>(0.0);
-        var a7 = vec4<f32>(0.0);
-        var b0 = vec4<f32>(0.0);
-        var b1 = vec4<f32>(0.0);
-        var b2 = vec4<f32>(0.0);
-        var b3 = vec4<f32>(0.0);
-        var b4 = vec4<f32>(0.0);
-        var b5 = vec4<f32>(0.0);
-        var b6 = vec4<f32>(0.0);
-        var b7 = vec4<f32>(0.0);
-
-        // the block's page list, one entry per lane (when it fits: a row is then found with a
-        // shuffle instead of a memory round trip); read from the plan otherwise
-        let npages = (len + S - 1u) / S;
-        let pages_in_lanes = npages <= R;
-        var pg = INVALID;
-        if (r < npages && pages_in_lanes) {
-            pg = plan[pages + r];
+        let qv = Query(q0, q1, q2, q3, q4, q5, q6, q7, u0, u1, u2, u3, u4, u5, u6, u7);
+        var st = edge_keys(false, PF, qv, pages, len, r, grp, base);
+        // a removed key somewhere in the workgroup: redo the edge exactly (uniform: a workgroup flag)
+        if (st.removed) {
+            atomicOr(&redo, 1u);
         }
-        let step = NGRP * 4u;
-        // PF = 1: chunk 0's loads here; in the loop the next chunk's loads are issued before the
-        // current chunk's math (two chunks in flight per lane). PF = 0: each chunk's loads at
-        // the top of its iteration (half the registers for loads)
-        var kn = grp * 4u;  // first key of the chunk to load next
-        var next: Chunk;
-        if (PF == 1u) {
-            next = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
-            kn += step;
+        workgroupBarrier();
+        if (tid == 0u) {
+            redo_u = atomicLoad(&redo);
+            atomicStore(&redo, 0u);  // for the next edge (set again only after the barrier below)
         }
-        for (var kb = 0u; kb < len; kb += step) {
-            var c = next;
-            if (PF == 0u) {
-                c = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
-            } else {
-                next = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
-            }
-            kn += step;
-            let row0 = c.rows.x;
-            let row1 = c.rows.y;
-            let row2 = c.rows.z;
-            let row3 = c.rows.w;
-
-            // scores of head slot hs for the 4 keys
-            var s = vec4<f32>(0.0);
-            for (var i = 0u; i < 4u; i++) {
-                var kk = c.k0;
-                switch i {
-                    case 1u: { kk = c.k1; }
-                    case 2u: { kk = c.k2; }
-                    case 3u: { kk = c.k3; }
-                    default: {}
-                }
-                let x = lo4(kk);
-                let y = hi4(kk);
-                var lo = vec4<f32>(dot(q0, x), dot(q1, x), dot(q2, x), dot(q3, x));
-                var hi = vec4<f32>(0.0);
-                if (NG > 4u) {
-                    hi = vec4<f32>(dot(q4, x), dot(q5, x), dot(q6, x), dot(q7, x));
-                }
-                if (EU == 8u) {
-                    lo += vec4<f32>(dot(u0, y), dot(u1, y), dot(u2, y), dot(u3, y));
-                    if (NG > 4u) {
-                        hi += vec4<f32>(dot(u4, y), dot(u5, y), dot(u6, y), dot(u7, y));
-                    }
-                }
-                s[i] = reduce8(lo, hi, r) * params.scale;
-            }
-
-            // running softmax of head slot hs over the chunk's valid keys; a key scored -inf is
-            // removed (R26): out of the max, weight REMOVED
-            let valid = vec4<bool>(row0 != INVALID, row1 != INVALID, row2 != INVALID, row3 != INVALID);
-            let ninf = vec4<bool>(is_ninf(s[0]), is_ninf(s[1]), is_ninf(s[2]), is_ninf(s[3]));
-            let att = valid & !ninf;
-            var alpha = 1.0;
-            var p = select(vec4<f32>(0.0), vec4<f32>(REMOVED), valid & ninf);
-            if (any(att)) {
-                var cmax = 0.0;
-                var seen = false;
-                for (var i = 0u; i < 4u; i++) {
-                    if (att[i]) {
-                        cmax = select(s[i], nan_max(cmax, s[i]), seen);
-                        seen = true;
-                    }
-                }
-                var m_new = cmax;
-                alpha = 0.0;  // nothing attended before: the accumulators are exactly 0
-                if (!(l == 0.0)) {  // (a NaN l is not "nothing": it must reach the output, R11)
-                    m_new = nan_max(m, cmax);
-                    alpha = exp(m - m_new);
-                }
-                for (var i = 0u; i < 4u; i++) {
-                    if (att[i]) {
-                        p[i] = exp(s[i] - m_new);
-                    }
-                }
-                m = m_new;
-                let pl = select(p, vec4<f32>(0.0), bitcast<vec4<u32>>(p) == vec4<u32>(REMOVED_BITS));  // removed keys weigh nothing
-                l = l * alpha + ((pl.x + pl.y) + (pl.z + pl.w));
-            }
-            // whether any lane removed a key of this chunk (uniform: every lane runs the chunk)
-            let removed = subgroupAny(any(valid & ninf));
-
-            // o_h = o_h alpha_h + sum_i p_hi v_i, alpha and p of head h from its slot lane
-            let x0 = lo4(c.v0);
-            let x1 = lo4(c.v1);
-            let x2 = lo4(c.v2);
-            let x3 = lo4(c.v3);
-            let y0 = hi4(c.v0);
-            let y1 = hi4(c.v1);
-            let y2 = hi4(c.v2);
-            let y3 = hi4(c.v3);
-            for (var h = 0u; h < NG; h++) {
-                let src = base + slot_lane(h);
-                let ph = subgroupShuffle(p, src);
-                let ah = subgroupShuffle(alpha, src);
-                var da = ph.x * x0 + ph.y * x1 + ph.z * x2 + ph.w * x3;
-                var db = vec4<f32>(0.0);
-                if (EU == 8u) {
-                    db = ph.x * y0 + ph.y * y1 + ph.z * y2 + ph.w * y3;
-                }
-                if (removed) {  // a removed key's value (maybe NaN) is not multiplied by its weight
-                    da = pv(ph.x, x0) + pv(ph.y, x1) + pv(ph.z, x2) + pv(ph.w, x3);
-                    if (EU == 8u) {
-                        db = pv(ph.x, y0) + pv(ph.y, y1) + pv(ph.z, y2) + pv(ph.w, y3);
-                    }
-                }
-                switch h {
-                    case 0u: { a0 = a0 * ah + da; b0 = b0 * ah + db; }
-                    case 1u: { a1 = a1 * ah + da; b1 = b1 * ah + db; }
-                    case 2u: { a2 = a2 * ah + da; b2 = b2 * ah + db; }
-                    case 3u: { a3 = a3 * ah + da; b3 = b3 * ah + db; }
-                    case 4u: { a4 = a4 * ah + da; b4 = b4 * ah + db; }
-                    case 5u: { a5 = a5 * ah + da; b5 = b5 * ah + db; }
-                    case 6u: { a6 = a6 * ah + da; b6 = b6 * ah + db; }
-                    default: { a7 = a7 * ah + da; b7 = b7 * ah + db; }
-                }
-            }
+        if (workgroupUniformLoad(&redo_u) != 0u) {
+            st = edge_keys(true, 0u, qv, pages, len, r, grp, base);
         }
+        var m = st.m;
+        var l = st.l;
+        var a0 = st.a0;
+        var a1 = st.a1;
+        var a2 = st.a2;
+        var a3 = st.a3;
+        var a4 = st.a4;
+        var a5 = st.a5;
+        var a6 = st.a6;
+        var a7 = st.a7;
+        var b0 = st.b0;
+        var b1 = st.b1;
+        var b2 = st.b2;
+        var b3 = st.b3;
+        var b4 = st.b4;
+        var b5 = st.b5;
+        var b6 = st.b6;
+        var b7 = st.b7;
 
         // merge the key groups: M = max m_g over groups that attended something, w_g =
         // exp(m_g - M), L = sum w_g l_g, o = sum w_g o_g. "Attended something" is !(l == 0): a
