@@ -45,8 +45,8 @@
 // Override constants
 //   DV  vec4s per index row (ceil(d_idx / 4), at most 32)   S  page size   BS  block size
 //   RT  rows per item tile: 16, 32 or 64 (>= the host's rows per item)
-// Workgroup memory (bytes, each variable rounded to 16): 2 HCAP + 4 RCAP + 4 PT + 6 * 4 RT + 3 * 16
-// (_index_branch.sgmat_scores_workgroup_bytes: 36656 for RT = 64). Needs subgroups of 32
+// Workgroup memory (bytes, each variable rounded to 16): 2 HCAP + 4 RCAP + 4 PT + 6 * 4 RT + 2 * 16
+// (_index_branch.sgmat_scores_workgroup_bytes: 36640 for RT = 64). Needs subgroups of 32
 // consecutive invocations (subgroup sg = invocations 32 sg .. 32 sg + 31). The loader prepends
 // `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
 
@@ -106,9 +106,14 @@ var<workgroup> rq: array<u32, RT>;                // vec4 offset of each row's i
 var<workgroup> rqe: array<i32, RT>;               // exclusive end of its visible positions
 var<workgroup> rsc: array<f32, RT>;               // 2^e of each row
 var<workgroup> rus: array<f32, RT>;               // 2^-e
-var<workgroup> bad_keys: atomic<u32>;             // a loaded key of this pass is not finite
-var<workgroup> bad_rows: atomic<u32>;             // a query of the item holds NaN or +-inf
-var<workgroup> flag_u: u32;                       // a flag, for workgroupUniformLoad
+// Every workgroup variable is a whole number of 16-byte units: the flags are vectors and arrays
+// of 4, not scalars. Measured on the H200 through Dawn: with three 4-byte flags the matrix loads
+// from hmem read 12 bytes (6 halves) below their offset and the stores to res landed 4 bytes
+// below theirs (16- and 8-byte accesses on variables the driver placed at 12 mod 16), which
+// silently dropped dims 10..15 of every 16 and shifted every result by one position.
+var<workgroup> bad: array<atomic<u32>, 4>;        // [0]: a loaded key of this pass is not finite,
+                                                  // [1]: a query of the item holds NaN or +-inf
+var<workgroup> flag_u: vec4<u32>;                 // a flag (.x), for workgroupUniformLoad
 
 alias Left = subgroup_matrix_left<f16, 16, 16>;
 alias Right = subgroup_matrix_right<f16, 16, 16>;
@@ -195,8 +200,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         atomicStore(&rmax[x], 0u);
     }
     if (lid == 0u) {
-        atomicStore(&bad_keys, 0u);
-        atomicStore(&bad_rows, 0u);
+        atomicStore(&bad[0], 0u);
+        atomicStore(&bad[1], 0u);
     }
     workgroupBarrier();
     // each row's largest |q| as bits (finite bits order like magnitudes; inf and NaN lie above)
@@ -211,7 +216,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var x = lid; x < RT; x += WG) {
         let mb = atomicLoad(&rmax[x]);
         if (x < n_rows && mb >= 0x7f800000u) {
-            atomicOr(&bad_rows, 1u);
+            atomicOr(&bad[1], 1u);
         }
         // max in [2^E, 2^(E+1)) -> e = 14 - E puts it in [2^14, 2^15); a zero or subnormal max
         // counts as 2^-127 (e = 126)
@@ -221,9 +226,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
     if (lid == 0u) {
-        flag_u = atomicLoad(&bad_rows);
+        flag_u = vec4<u32>(atomicLoad(&bad[1]));
     }
-    let rows_bad = workgroupUniformLoad(&flag_u);
+    let rows_bad = workgroupUniformLoad(&flag_u).x;
 
     let sg = lid / 32u;          // this invocation's subgroup
     let rt = sg % NRT;           // its 16-row tile
@@ -280,7 +285,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         v = ik[((slab - params.chunk_first) * S + lpos % S) * DV + j];
                         let w = bitcast<vec2<u32>>(v);
                         if (f16_pair_nonfinite(w.x) || f16_pair_nonfinite(w.y)) {
-                            atomicOr(&bad_keys, 1u);
+                            atomicOr(&bad[0], 1u);
                         }
                     }
                 }
@@ -292,12 +297,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
         if (lid == 0u) {
-            flag_u = atomicLoad(&bad_keys);
+            flag_u = vec4<u32>(atomicLoad(&bad[0]));
         }
-        let keys_bad = workgroupUniformLoad(&flag_u);
+        let keys_bad = workgroupUniformLoad(&flag_u).x;
         let fma = rows_bad != 0u || keys_bad != 0u;
         if (lid == 0u) {
-            atomicStore(&bad_keys, 0u);  // for the next pass: set again only after the end barrier
+            atomicStore(&bad[0], 0u);  // for the next pass: set again only after the end barrier
         }
         if (!fma) {
             for (var i = 0u; i < NPT; i++) {

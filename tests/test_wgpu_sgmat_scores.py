@@ -38,8 +38,33 @@ def test_kernel_table_row_is_a_subgroup_matrix_drop_in_for_the_fma_kernel():
 
 @pytest.mark.parametrize("rows, rt", [(9, 16), (16, 16), (17, 32), (33, 64), (64, 64), (200, 64)])
 def test_the_kernel_tile_covers_the_items_rows(rows, rt):
-    geo, why = _pick(rows_per_seq=rows)
+    geo, why = _pick(rows_per_seq=rows, choice="sgmat")
     assert geo == {"RT": rt}, why
+
+
+def test_auto_keeps_the_fma_kernel_while_the_tensor_core_one_is_slower(monkeypatch):
+    """Where both apply, "auto" follows the measured choice (SGMAT_SCORES_AUTO), with a reason."""
+    from paged_sparse_attn.backends.wgpu import _index_branch
+
+    monkeypatch.setattr(_index_branch, "SGMAT_SCORES_AUTO", False)
+    geo, why = _pick()
+    assert geo is None and "slower" in why
+    monkeypatch.setattr(_index_branch, "SGMAT_SCORES_AUTO", True)
+    assert _pick()[0] == {"RT": 64}
+
+
+def test_subgroup_matrix_kernels_keep_workgroup_variables_16_byte_aligned():
+    """Dawn on NVIDIA misplaced the matrix loads and stores of workgroup arrays that followed
+    scalars adding up to 12 bytes (measured; docs/backends/dawn.md): in the subgroup-matrix
+    kernels the scalar workgroup variables add up to a multiple of 16 bytes."""
+    from paged_sparse_attn.backends.wgpu._shaders import shader_source
+
+    scalar = re.compile(r"^var<workgroup>\s+\w+\s*:\s*(atomic<u32>|u32|i32|f32|vec2<\w+>)\s*;", re.M)
+    sizes = {"atomic<u32>": 4, "u32": 4, "i32": 4, "f32": 4}
+    for name, row in KERNEL_TABLE.items():
+        if row.sgmat:
+            total = sum(sizes.get(t, 8) for t in scalar.findall(shader_source(name)))
+            assert total % 16 == 0, f"{name}: scalar workgroup variables of {total} bytes"
 
 
 @pytest.mark.parametrize("kw, reason", [
@@ -55,6 +80,7 @@ def test_the_kernel_tile_covers_the_items_rows(rows, rt):
     (dict(ctx=_ctx(subgroup=(None, "not measured"))), "subgroup size"),
     (dict(ctx=_ctx(workgroup_storage=32768)), "workgroup memory"),
     (dict(choice="fma"), "FMA"),
+    (dict(choice="auto"), "slower"),
 ])
 def test_the_fma_kernel_runs_where_the_tensor_core_kernel_does_not_apply(kw, reason):
     geo, why = _pick(**kw)

@@ -83,13 +83,17 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
 SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
 SGMAT_SCORES_DIMS = (16, 128)
 SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
+# whether "auto" takes the tensor-core kernel: not yet. It is right on the H200 (every check of
+# scripts/check_sgmat_scores.py) but slower than the FMA kernel there: 16.6 against 8.2 ms on the
+# prefill shape (GPU timestamps, 2026-12-01).
+SGMAT_SCORES_AUTO = False
 
 
 def sgmat_scores_workgroup_bytes(rt: int) -> int:
     """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable rounded up to 16 bytes, as
     Dawn counts it): the f16 tile (8704 halves), the f32 results (4352), the position flags (64),
-    six per-row arrays and three flags."""
-    return 2 * 8704 + 4 * 4352 + 4 * 64 + 6 * (-(-4 * int(rt) // 16) * 16) + 3 * 16
+    six per-row arrays, the flag array and the flag vector."""
+    return 2 * 8704 + 4 * 4352 + 4 * 64 + 6 * (-(-4 * int(rt) // 16) * 16) + 2 * 16
 
 
 def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd: bool,
@@ -118,6 +122,9 @@ def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd
         rt = max(16, score_rows_per_item(rows_per_seq))
         if sgmat_scores_workgroup_bytes(rt) > ctx.workgroup_storage:
             why = f"{sgmat_scores_workgroup_bytes(rt)} bytes of workgroup memory needed"
+        elif choice == "auto" and not SGMAT_SCORES_AUTO:
+            return None, ("the tensor-core kernel is slower than the FMA kernel where measured (16.6 against "
+                          "8.2 ms on the H200); ask for it with the 'sgmat' choice")
         else:
             return {"RT": rt}, ""
     if choice == "sgmat":
