@@ -9,9 +9,9 @@ decode layer workload of the bench (B=32, L=32k, Hq=32, Hkv=4, D=128, top-16, f1
   flight) and with ``psa_block_scores_decode.wgsl`` (one key row per invocation), median GPU
   time, and the index keys' read bandwidth;
 * (Dawn also with ``robustness=False``: the device without Dawn's bounds checks)
-* the partials + combine of one decode call (``profile_forward``'s ``call_s``, steady state) for
-  variants of ``psa_partials_decode.wgsl`` with parts of its R26 handling taken out (timing only:
-  those variants are not R26-correct), to see what the special-value handling costs.
+* the partials + combine of one decode call (``profile_forward``'s ``call_s``, steady state) as
+  it is, with its exact pass never taken (what the R26 handling costs on data without special
+  values) and with both passes on every edge (what the exact pass costs).
 
 Each variant runs on a fresh device, so no pipeline is shared between variants.
 """
@@ -35,20 +35,8 @@ DECODE = "psa_partials_decode.wgsl"
 # (text, replacement) edits of psa_partials_decode.wgsl; every text must occur in the file
 R26_VARIANTS = {
     "as is": [],
-    "no removed-value branch": [("if (removed) {", "if (false) {")],
-    "max for nan_max": [("return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));",
-                         "return max(a, b);")],
-    "removed-value branch empty": [("da = pv(ph.x, x0) + pv(ph.y, x1) + pv(ph.z, x2) + pv(ph.w, x3);",
-                                    "da = vec4<f32>(0.0);"),
-                                   ("db = pv(ph.x, y0) + pv(ph.y, y1) + pv(ph.z, y2) + pv(ph.w, y3);",
-                                    "db = vec4<f32>(0.0);")],
-    "always the removed-value path": [("if (removed) {", "if (true) {")],
-    "no R26 (pre-R26 arithmetic)": [
-        ("if (removed) {", "if (false) {"),
-        ("return select(max(a, b), bitcast<f32>(NAN_BITS), is_nan(a) || is_nan(b));", "return max(a, b);"),
-        ("let ninf = vec4<bool>(is_ninf(s[0]), is_ninf(s[1]), is_ninf(s[2]), is_ninf(s[3]));",
-         "let ninf = vec4<bool>(false);"),
-    ],
+    "fast pass only (no exact redo)": [("if (workgroupUniformLoad(&redo_u) != 0u) {", "if (false) {")],
+    "fast and exact pass every edge": [("if (workgroupUniformLoad(&redo_u) != 0u) {", "if (true) {")],
 }
 
 
@@ -71,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", nargs="*", default=None)
     ap.add_argument("--repeat", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true", help="block scores: every workgroup size and load schedule")
     ap.add_argument("--quick", action="store_true", help="the bench's small decode workload (a smoke run)")
     a = ap.parse_args()
     lw = (QUICK_LAYER_WORKLOADS if a.quick else LAYER_WORKLOADS)[0]
@@ -82,14 +71,17 @@ def main() -> None:
     key_bytes = int(np.minimum(p["used_kv_lens"], w.L).sum()) * lw.index_dim * np.dtype(w.dtype).itemsize
     names = a.backends or [n for n, av in registry.list_backends().items() if av.ok and n != "numpy"]
     t_all = time.perf_counter()
+    default_wg_pf = (ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF)
     runs = [(n, {}) for n in names] + [(n, {"robustness": False}) for n in names if n == "dawn"]
     for name, opts in runs:
         cls = type(registry.get_backend(name))
+        ref_out = None
         print(f"== {name} {opts}: {registry.get_backend(name)}", flush=True)
         # (key groups?, workgroup size, next chunk in flight)
-        for sg, wg, pf in ((True, 128, 0), (True, 128, 1), (True, 64, 0), (True, 64, 1), (True, 256, 0),
-                           (True, 32, 1), (False, 0, 0)):
-            ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF = wg or 128, pf
+        sweep = ((True, 128, 0), (True, 128, 1), (True, 64, 0), (True, 64, 1), (True, 256, 0), (True, 32, 1),
+                 (False, 0, 0))
+        for sg, wg, pf in (sweep if a.sweep else ((True, *default_wg_pf), (False, 0, 0))):
+            ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF = (wg, pf) if sg else default_wg_pf
             be = cls(timestamps=True, **opts)
             be._decode_scores_sg = sg
             k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
@@ -108,12 +100,13 @@ def main() -> None:
             print(f"  block scores {kern} WG {wg} PF {pf}: {sc * 1e6:8.1f} us ({key_bytes / sc / 1e12:.2f} TB/s of index keys); "
                   f"whole layer GPU {tot * 1e6:8.1f} us", flush=True)
             sel = np.asarray(out[0] if isinstance(out, tuple) else out)
-            if (wg, pf) == (128, 0):
+            if ref_out is None:
                 ref_out = sel
             else:
-                print(f"    same output as WG 128 PF 0: {np.array_equal(ref_out, sel)}", flush=True)
+                print(f"    same output as the first: {np.array_equal(ref_out, sel)}", flush=True)
             plan.close()
             be.close()
+        ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF = default_wg_pf
         for vname, edits in R26_VARIANTS.items():
             orig, src = _with_edits(edits)
             _kernels.shader_source = src
