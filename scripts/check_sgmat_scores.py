@@ -300,7 +300,7 @@ class forced_fma:
         self.be = be
 
     def __enter__(self):
-        self.orig = getattr(self.be, "_scores_kernel", "auto")
+        self.orig = self.be._scores_kernel
         self.be._scores_kernel = "fma"
 
     def __exit__(self, *exc):

@@ -5,8 +5,8 @@ decode layer workload of the bench (B=32, L=32k, Hq=32, Hkv=4, D=128, top-16, f1
 128) it prints, per backend:
 
 * the block-score pass of ``AttentionPlan.run_sparse`` with ``psa_block_scores_decode_sg.wgsl``
-  (key groups, the default; several workgroup sizes, with and without the next chunk's loads in
-  flight) and with ``psa_block_scores_decode.wgsl`` (one key row per invocation), median GPU
+  (key groups, the default; with ``--sweep`` several workgroup sizes, with and without the
+  next chunk's loads in flight) and with ``psa_block_scores_decode.wgsl`` (one key row per invocation), median GPU
   time, and the index keys' read bandwidth;
 * (Dawn also with ``robustness=False``: the device without Dawn's bounds checks)
 * the partials + combine of one decode call (``profile_forward``'s ``call_s``, steady state) as

@@ -105,3 +105,26 @@ def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device,
     used = re.search(r"workgroup storage \((\d+) bytes\)", str(err.value))
     assert used is not None, str(err.value)
     assert int(used.group(1)) == sgmat_scores_workgroup_bytes(rt)
+
+
+def test_the_scores_kernel_option_is_checked_and_forcing_says_why(WgpuBackend):
+    """``scores_kernel=`` is validated at construction; "sgmat" where the device has no subgroup
+    matrices (lavapipe) raises UnsupportedError naming why (R18, no fallback); "fma" runs."""
+    import numpy as np
+
+    from paged_sparse_attn.index_branch import block_scores
+    from test_index_branch import make_case, score_args
+
+    with pytest.raises(ValueError, match="scores_kernel"):
+        WgpuBackend(scores_kernel="tensor")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        WgpuBackend(scores_kernel="sgmat", batch_invariant=True)
+    c = make_case(5, B=1, S=16, ppb=1, msb=2, Hkv=2, d=16, T=[6], lens=[30], holes=0.0, dtype=np.float16)
+    forced = WgpuBackend(required_limits="default", scores_kernel="sgmat")
+    with pytest.raises(UnsupportedError, match="subgroup matrices"):
+        block_scores(*score_args(c), block_size=c["block_size"], backend=forced)
+    fma = WgpuBackend(required_limits="default", scores_kernel="fma")
+    got = block_scores(*score_args(c), block_size=c["block_size"], backend=fma)
+    want = block_scores(*score_args(c), block_size=c["block_size"], backend="numpy")
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    assert np.allclose(got, want, atol=1e-5, equal_nan=True)

@@ -36,7 +36,9 @@ SCORES_DECODE_SG = "psa_block_scores_decode_sg.wgsl"  # the same items, key rows
 # flight during a chunk (override PF). Measured on the H200 (decode layer, 8192 items of 4 rows,
 # 268 MB of float16 index keys; scripts/experiment_decode.py): WG 64 without prefetch 114.9 us
 # (wgpu) / 122.3 (dawn), WG 128 123.9 / 129.5, WG 256 147.2 / 150.7, WG 64 with prefetch
-# 122.3 / 127.8, WG 32 with prefetch 119.4 / 124.5; one key row per invocation 189.6 / 190.6
+# 122.3 / 127.8, WG 32 with prefetch 119.4 / 124.5; one key row per invocation 189.6 / 190.6.
+# Several consecutive items (blocks) per workgroup, loading the queries once for them, was slower
+# (2, 4, 8 items: 123.6, 145.4, 143.2 against 120.0 us in one run) and was not kept.
 SCORES_DECODE_SG_WG = 64
 SCORES_DECODE_SG_PF = 0
 TOPK = "psa_select_topk.wgsl"
@@ -377,7 +379,7 @@ class IndexBranchMixin:
         elif (tc := sgmat_scores_constants(ctx, f16=f16, d_idx=d, rows_per_seq=rows_per_seq,
                                            hnd=layout.rh == 1 and layout.kv_layout == "HND",
                                            batch_invariant=self._batch_invariant,
-                                           choice=getattr(self, "_scores_kernel", "auto")))[0] is not None:
+                                           choice=self._scores_kernel))[0] is not None:
             # tensor cores: the FMA kernel's items (of RT rows), bindings, params and output
             RT = tc[0]["RT"]
             pipe, bgl = self._ib_pipeline(SCORES_SGMAT, False, {"DV": DV, "S": S, "BS": BS, **tc[0]})

@@ -115,6 +115,14 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         Dawn runtime); a call it cannot run raises likewise. ``"generic"``: ``psa_partials.wgsl``
         (f32 FMAs) always. ``"auto"`` (default): decode when it applies, else sgmat when it
         applies, else generic.
+    scores_kernel : {"auto", "fma", "sgmat"}
+        Block-score kernel of the index branch for items of more than 8 rows (prefill).
+        ``"sgmat"``: ``psa_block_scores_sgmat.wgsl``, the logits on 16x16x16 float16 subgroup
+        matrices (tensor cores), for float16 HND index keys on devices that have them (the Dawn
+        runtime); a call it cannot run raises :class:`~paged_sparse_attn.UnsupportedError`
+        naming why. ``"fma"``: ``psa_block_scores.wgsl`` (f32 FMAs) always. ``"auto"`` (default):
+        the FMA kernel for now (on the H200 the tensor-core kernel measured slower: see the
+        Dawn page). Decode items keep their own kernels either way.
     decode_workgroup_size : int, optional
         Invocations per workgroup of the decode kernel, for tuning experiments: rounded up to a
         power of two that is a multiple of the subgroup size and of the key group (default: one
@@ -159,7 +167,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                  disable_features: tuple[str, ...] = (), workgroup_size: int | None = None,
                  timestamps: bool = False, max_device_bytes: int | None = None,
                  partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False,
-                 decode_workgroup_size: int | None = None, decode_prefetch: bool | None = None):
+                 decode_workgroup_size: int | None = None, decode_prefetch: bool | None = None,
+                 scores_kernel: str = "auto"):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"{type(self).__name__}(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
@@ -170,6 +179,13 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"{type(self).__name__}(): partials_kernel must be 'auto', 'generic', 'decode' or 'sgmat', "
                              f"got {partials_kernel!r}")
         self._kernel = partials_kernel
+        if scores_kernel not in ("auto", "fma", "sgmat"):
+            raise ValueError(f"{type(self).__name__}(): scores_kernel must be 'auto', 'fma' or 'sgmat', "
+                             f"got {scores_kernel!r}")
+        if batch_invariant and scores_kernel == "sgmat":
+            raise ValueError(f"{type(self).__name__}(): batch_invariant=True runs the tiled FMA block-score kernel; "
+                             "it cannot be combined with scores_kernel='sgmat'")
+        self._scores_kernel = scores_kernel
         if batch_invariant and partials_kernel in ("decode", "sgmat"):
             raise ValueError(f"{type(self).__name__}(): batch_invariant=True runs the generic partials kernel; it cannot be "
                              f"combined with partials_kernel={partials_kernel!r}")
