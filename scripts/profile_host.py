@@ -29,14 +29,16 @@ import time
 import numpy as np
 
 import paged_sparse_attn as psa
-from paged_sparse_attn import _api, _attention_plan
+from paged_sparse_attn import _api, _attention_plan, _layout
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, QUICK_LAYER_WORKLOADS
 from paged_sparse_attn.bench.workloads import make_problem
 
 # the functions forward() calls before and after the backend's runtime, by stage (timed by
 # wrapping the module attribute forward() reads them from)
 STAGES = (("validate", _api, "validate_forward"),
+          ("backend checks", _api, "resolve_backend"),
           ("backend checks", _api, "_run_checks"),
+          ("plan lookup", _layout, "layout_of"),
           ("plan lookup", _attention_plan, "cached_plan"),
           ("result checks", _api, "checked_out_lse"))
 RUNTIME = (("encode", "encode_s"), ("submit", "submit_s"), ("wait", "wait_s"), ("read + lse", "read_s"))
@@ -98,8 +100,8 @@ def _stages(name: str, p: dict, calls: int) -> None:
         k.release()
         v.release()
     print(f"{name} ({be.device_summary}): forward() stages, median us per call of {calls}")
-    order = [s[0] for s in STAGES[:3]] + [r[0] for r in RUNTIME] + [STAGES[3][0], "other", "forward() total",
-                                                                     "  of which outside the runtime"]
+    order = ["validate", "backend checks", "plan lookup"] + [r[0] for r in RUNTIME] + [
+        "result checks", "other", "forward() total", "  of which outside the runtime"]
     for key in order:
         print(f"  {key:32s} {np.median(rows[key]) * 1e6:9.1f}")
 

@@ -10,6 +10,7 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -264,8 +265,17 @@ class AttentionPlan:
 # --- the plan cache of forward() ------------------------------------------------------------------
 
 _CACHE_SIZE = 8
-_cache: "OrderedDict[tuple, AttentionPlan]" = OrderedDict()
+_cache: "OrderedDict[tuple, tuple[AttentionPlan, bytes, bytes]]" = OrderedDict()  # plan, its pages, lengths
 _cache_lock = threading.Lock()
+
+
+def _own(layout: BatchLayout) -> tuple[BatchLayout, bytes, bytes]:
+    """``layout`` with copies of its page map and lengths (a cached plan outlives the call, and the
+    caller may change its arrays in place for the next one), and their bytes."""
+    L = layout.layout
+    bt, lens = L.block_tables.copy(), L.used_kv_lens.copy()
+    return (dataclasses.replace(layout, layout=dataclasses.replace(L, block_tables=bt, used_kv_lens=lens)),
+            bt.tobytes(), lens.tobytes())
 
 
 def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
@@ -275,23 +285,31 @@ def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
     key = (id(backend), getattr(backend, "_generation", 0), layout.structure_key())
     with _cache_lock:
         hit = _cache.get(key)
-        if hit is not None and hit.backend is backend:
+        if hit is not None and hit[0].backend is backend:
             _cache.move_to_end(key)
-    if hit is not None and hit.backend is backend:
-        old = hit.layout
-        if not (np.array_equal(old.block_tables, layout.block_tables)
-                and np.array_equal(old.used_kv_lens, layout.used_kv_lens)):
-            with hit._lock:
-                hit._runtime.update(layout)
-                if hit._host is not hit._runtime:
-                    hit._host.update(layout)
-                hit.layout = layout
-        return hit
-    plan = AttentionPlan(layout, backend)
+        else:
+            hit = None
+    if hit is not None:
+        plan, bt_bytes, lens_bytes = hit
+        # compared with the plan's own copies: the caller's arrays may be the ones it had before,
+        # changed in place
+        if layout.block_tables.tobytes() != bt_bytes or layout.used_kv_lens.tobytes() != lens_bytes:
+            own, bt_bytes, lens_bytes = _own(layout)
+            with plan._lock:
+                plan._runtime.update(own)
+                if plan._host is not plan._runtime:
+                    plan._host.update(own)
+                plan.layout = own
+            with _cache_lock:
+                if _cache.get(key) is hit:
+                    _cache[key] = (plan, bt_bytes, lens_bytes)
+        return plan
+    own, bt_bytes, lens_bytes = _own(layout)
+    plan = AttentionPlan(own, backend)
     with _cache_lock:
-        _cache[key] = plan
+        _cache[key] = (plan, bt_bytes, lens_bytes)
         while len(_cache) > _CACHE_SIZE:
-            _, old_plan = _cache.popitem(last=False)
+            _, (old_plan, _, _) = _cache.popitem(last=False)
             old_plan.close()
     return plan
 
