@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import paged_sparse_attn as psa
-from paged_sparse_attn import _api, _attention_plan, _layout
+from paged_sparse_attn import _api, _attention_plan
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, QUICK_LAYER_WORKLOADS
 from paged_sparse_attn.bench.workloads import make_problem
 
@@ -38,8 +38,7 @@ from paged_sparse_attn.bench.workloads import make_problem
 STAGES = (("validate", _api, "validate_forward"),
           ("backend checks", _api, "resolve_backend"),
           ("backend checks", _api, "_run_checks"),
-          ("plan lookup", _layout, "layout_of"),
-          ("plan lookup", _attention_plan, "cached_plan"),
+          ("plan lookup", _attention_plan, "forward_plan"),
           ("result checks", _api, "checked_out_lse"))
 RUNTIME = (("encode", "encode_s"), ("submit", "submit_s"), ("wait", "wait_s"), ("read + lse", "read_s"))
 

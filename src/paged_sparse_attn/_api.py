@@ -150,10 +150,9 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     be = resolve_backend(backend, p.k_cache, p.v_cache)
     _run_checks(be, "forward", p)
     if be.plans_forward(p):  # the backend's plan runtime takes this call (R32)
-        from ._attention_plan import cached_plan
-        from ._layout import layout_of
+        from ._attention_plan import forward_plan
 
-        out, lse = checked_out_lse(be, "forward", cached_plan(layout_of(p), be)._run(
+        out, lse = checked_out_lse(be, "forward", forward_plan(p, be)._run(
             p.q, p.k_cache, p.v_cache, p.selected), p.q.shape)
         return (out, lse) if return_lse else out
     index = build_index_arrays(p.selected, p.layout)

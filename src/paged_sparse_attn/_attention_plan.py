@@ -19,13 +19,13 @@ import numpy as np
 
 from ._api import check_capabilities, check_owner
 from ._host_runtime import HostRuntime
-from ._layout import BatchLayout, validate_layout
+from ._layout import BatchLayout, layout_of, validate_layout
 from ._types import DeviceArray, KVOuterIndex
 from ._validation import _fail, cache_dims, check_cache_layout, check_float_array, check_int_array, check_selected
 from .errors import UnsupportedError
 from .registry import resolve_backend
 
-__all__ = ["plan_attention", "AttentionPlan", "cached_plan", "forward_planned"]
+__all__ = ["plan_attention", "AttentionPlan", "cached_plan", "forward_plan", "forward_planned"]
 
 
 def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size, num_q_heads,
@@ -282,7 +282,24 @@ def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
     """The plan of ``layout`` on ``backend`` for ``forward()``: made on first use and kept (least
     recently used evicted past 8), keyed by the layout's structure; a call with new lengths or
     pages updates the kept plan (a decode loop of plain calls reuses one plan)."""
-    key = (id(backend), getattr(backend, "_generation", 0), layout.structure_key())
+    return _cached(layout.structure_key(), backend, layout.block_tables, layout.used_kv_lens, lambda: layout)
+
+
+def forward_plan(p, backend) -> AttentionPlan:
+    """``cached_plan(layout_of(p), backend)`` for a validated ``Problem``, without building the
+    layout when the cache holds its plan with the same pages and lengths (a decode step)."""
+    return _cached(problem_key(p), backend, p.block_tables, p.used_kv_lens, lambda: layout_of(p))
+
+
+def problem_key(p) -> tuple:
+    """``layout_of(p).structure_key()``, read off the problem."""
+    return (p.block_tables.shape, p.cu_seqlens_q.tobytes(), p.block_size, p.page_size, p.num_q_heads,
+            p.num_kv_heads, p.head_dim, p.cache_dtype, p.topk, p.softmax_scale, p.causal, None, None, None,
+            p.kv_layout)
+
+
+def _cached(structure: tuple, backend, block_tables: np.ndarray, used_kv_lens: np.ndarray, layout) -> AttentionPlan:
+    key = (id(backend), getattr(backend, "_generation", 0), structure)
     with _cache_lock:
         hit = _cache.get(key)
         if hit is not None and hit[0].backend is backend:
@@ -293,8 +310,8 @@ def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
         plan, bt_bytes, lens_bytes = hit
         # compared with the plan's own copies: the caller's arrays may be the ones it had before,
         # changed in place
-        if layout.block_tables.tobytes() != bt_bytes or layout.used_kv_lens.tobytes() != lens_bytes:
-            own, bt_bytes, lens_bytes = _own(layout)
+        if block_tables.tobytes() != bt_bytes or used_kv_lens.tobytes() != lens_bytes:
+            own, bt_bytes, lens_bytes = _own(layout())
             with plan._lock:
                 plan._runtime.update(own)
                 if plan._host is not plan._runtime:
@@ -304,7 +321,7 @@ def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
                 if _cache.get(key) is hit:
                     _cache[key] = (plan, bt_bytes, lens_bytes)
         return plan
-    own, bt_bytes, lens_bytes = _own(layout)
+    own, bt_bytes, lens_bytes = _own(layout())
     plan = AttentionPlan(own, backend)
     with _cache_lock:
         _cache[key] = (plan, bt_bytes, lens_bytes)
