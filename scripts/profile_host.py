@@ -29,16 +29,18 @@ import time
 import numpy as np
 
 import paged_sparse_attn as psa
-from paged_sparse_attn import _api, _attention_plan
+from paged_sparse_attn import _api, _attention_plan, _layout
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, QUICK_LAYER_WORKLOADS
 from paged_sparse_attn.bench.workloads import make_problem
 
 # the functions forward() calls before and after the backend's runtime, by stage (timed by
-# wrapping the module attribute forward() reads them from)
+# wrapping the module attribute forward() reads them from; those a release lacks are skipped)
 STAGES = (("validate", _api, "validate_forward"),
           ("backend checks", _api, "resolve_backend"),
           ("backend checks", _api, "_run_checks"),
           ("plan lookup", _attention_plan, "forward_plan"),
+          ("plan lookup", _layout, "layout_of"),  # (older releases: layout_of + cached_plan)
+          ("plan lookup", _attention_plan, "cached_plan"),
           ("result checks", _api, "checked_out_lse"))
 RUNTIME = (("encode", "encode_s"), ("submit", "submit_s"), ("wait", "wait_s"), ("read + lse", "read_s"))
 
@@ -61,7 +63,9 @@ def _stages(name: str, p: dict, calls: int) -> None:
     spent: dict[str, float] = {}
     saved = []
     for label, mod, attr in STAGES:
-        fn = getattr(mod, attr)
+        fn = getattr(mod, attr, None)
+        if fn is None:
+            continue
         saved.append((mod, attr, fn))
 
         def timed(*x, _fn=fn, _label=label, **y):
