@@ -1,34 +1,116 @@
-"""Where the host time of ``forward()`` goes: cProfile of decode calls with host arrays.
+"""Where the host time of ``forward()`` goes: decode calls with host arrays, on resident caches.
 
-Usage: ``python scripts/profile_host.py [--backend wgpu] [--calls 200] [--workload decode]``;
-prints the functions with the most cumulative time. Measures what a user's call runs (host
-q and selection in, host out and lse back), on device-resident caches.
+Usage::
+
+    python scripts/profile_host.py --stages --backend dawn --backend wgpu
+    python scripts/profile_host.py [--backend wgpu] [--calls 200] [--workload decode] [--top 30]
+
+``--stages`` prints one line per stage of a call, in microseconds per call (median over the
+calls), for each backend in one process: the checks before the backend (validation of every
+input, backend resolution and capability checks, the plan-cache lookup), the plan runtime's
+encode, submit, wait (until the results are mapped) and read (results copied out, ``lse``
+computed, R6 error words checked), the checks of the results, and what is left of the wall
+time. Without it, a cProfile of the calls (the functions with the most cumulative time).
+
+Measures what a user's call runs (host ``q`` and ``selected`` in, host ``out`` and ``lse``
+back). ``--L`` shortens the sequences (a CPU driver cannot hold or run the full decode caches
+fast); ``--keep N`` keeps only the first N slots of every selection row (the others -1): the
+host work is the same, the GPU's is less.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import time
 
 import numpy as np
 
 import paged_sparse_attn as psa
+from paged_sparse_attn import _api, _attention_plan, _layout
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, QUICK_LAYER_WORKLOADS
 from paged_sparse_attn.bench.workloads import make_problem
 
+# the functions forward() calls before and after the backend's runtime, by stage (timed by
+# wrapping the module attribute forward() reads them from; those a release lacks are skipped)
+STAGES = (("validate", _api, "validate_forward"),
+          ("backend checks", _api, "resolve_backend"),
+          ("backend checks", _api, "_run_checks"),
+          ("plan lookup", _attention_plan, "forward_plan"),
+          ("plan lookup", _layout, "layout_of"),  # (older releases: layout_of + cached_plan)
+          ("plan lookup", _attention_plan, "cached_plan"),
+          ("result checks", _api, "checked_out_lse"))
+RUNTIME = (("encode", "encode_s"), ("submit", "submit_s"), ("wait", "wait_s"), ("read + lse", "read_s"))
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="wgpu")
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--workload", default="decode")
-    ap.add_argument("--top", type=int, default=30)
-    a = ap.parse_args()
+
+def _problem(a):
     lw = {x.w.name: x for x in (*LAYER_WORKLOADS, *QUICK_LAYER_WORKLOADS)}[a.workload]
-    p = make_problem(lw.w, seed=1, fill="selected")
-    be = psa.get_backend(a.backend)
+    w = dataclasses.replace(lw.w, L=a.L) if a.L else lw.w
+    p = make_problem(w, seed=1, fill="selected")
+    if a.keep is not None:
+        p["selected"] = np.where(np.arange(p["selected"].shape[2]) < a.keep, p["selected"], -1).astype(np.int32)
+    return w, p
+
+
+def _stages(name: str, p: dict, calls: int) -> None:
+    be = psa.get_backend(name)
+    k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
+    args = (p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"])
+    kw = dict(used_kv_lens=p["used_kv_lens"], block_size=p["block_size"], causal=p["causal"], backend=be,
+              return_lse=True)
+    spent: dict[str, float] = {}
+    saved = []
+    for label, mod, attr in STAGES:
+        fn = getattr(mod, attr, None)
+        if fn is None:
+            continue
+        saved.append((mod, attr, fn))
+
+        def timed(*x, _fn=fn, _label=label, **y):
+            t = time.perf_counter()
+            try:
+                return _fn(*x, **y)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + time.perf_counter() - t
+        setattr(mod, attr, timed)
+    rows: dict[str, list] = {}
+    try:
+        for i in range(calls + 10):
+            spent.clear()
+            t0 = time.perf_counter()
+            psa.forward(*args, **kw)
+            wall = time.perf_counter() - t0
+            if i < 10:
+                continue  # warm-up: pipelines, bind groups, the plan
+            t = be.last_timings
+            if t.get("path") != "device":
+                raise SystemExit(f"{name}: forward() did not take the plan runtime (caches not resident in one "
+                                 "binding?); try a smaller --L")
+            row = dict(spent)
+            row["plan lookup"] = row.get("plan lookup", 0.0)
+            for label, key in RUNTIME:
+                row[label] = t.get(key, 0.0)
+            row["other"] = wall - sum(row.values())
+            row["forward() total"] = wall
+            row["  of which outside the runtime"] = wall - t["total_s"]
+            for key, val in row.items():
+                rows.setdefault(key, []).append(val)
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+        k.release()
+        v.release()
+    print(f"{name} ({be.device_summary}): forward() stages, median us per call of {calls}")
+    order = ["validate", "backend checks", "plan lookup"] + [r[0] for r in RUNTIME] + [
+        "result checks", "other", "forward() total", "  of which outside the runtime"]
+    for key in order:
+        print(f"  {key:32s} {np.median(rows[key]) * 1e6:9.1f}")
+
+
+def _cprofile(name: str, p: dict, calls: int, workload: str, top: int) -> None:
+    be = psa.get_backend(name)
     k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
     args = (p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"])
     kw = dict(used_kv_lens=p["used_kv_lens"], block_size=p["block_size"], causal=p["causal"], backend=be)
@@ -37,18 +119,38 @@ def main() -> None:
     t0 = time.perf_counter()
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(a.calls):
+    for _ in range(calls):
         psa.forward(*args, **kw)
     prof.disable()
-    wall = (time.perf_counter() - t0) / a.calls
-    print(f"forward() {a.workload}: {wall * 1e6:.0f} us per call under the profiler; last call's split: "
+    wall = (time.perf_counter() - t0) / calls
+    print(f"forward() {workload} on {name}: {wall * 1e6:.0f} us per call under the profiler; last call's split: "
           f"{ {k: round(v * 1e6) for k, v in be.last_timings.items() if isinstance(v, float)} } us")
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(a.top)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
     t0 = time.perf_counter()
-    for _ in range(a.calls):
+    for _ in range(calls):
         psa.forward(*args, **kw)
-    print(f"forward() without the profiler: {(time.perf_counter() - t0) / a.calls * 1e6:.0f} us per call")
-    np.asarray(0)
+    print(f"forward() without the profiler: {(time.perf_counter() - t0) / calls * 1e6:.0f} us per call")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", action="append", help="repeatable (default: wgpu)")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--workload", default="decode")
+    ap.add_argument("--L", type=int, default=None, help="KV length of every sequence (default: the workload's)")
+    ap.add_argument("--keep", type=int, default=None, help="selection slots kept per row (default: all)")
+    ap.add_argument("--stages", action="store_true", help="per-stage times instead of a cProfile")
+    ap.add_argument("--top", type=int, default=30)
+    a = ap.parse_args()
+    w, p = _problem(a)
+    print(f"workload {a.workload}: B={w.B} L={w.L} Tq/seq={w.Tq_per_seq} Hq={w.Hq} Hkv={w.Hkv} D={w.D} "
+          f"page={w.page_size} block={w.block_size} topk={w.topk} {w.dtype}"
+          + (f", {a.keep} slots kept per row" if a.keep is not None else ""))
+    for name in a.backend or ["wgpu"]:
+        if a.stages:
+            _stages(name, p, a.calls)
+        else:
+            _cprofile(name, p, a.calls, a.workload, a.top)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,21 @@ def test_R34_a_plan_checks_its_caches_against_its_layout():
     assert plan.layout.structure_key() != hnd.layout.structure_key()  # the layout is part of the plan's key
 
 
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_R32_forward_plan_cache_key_is_the_layouts_structure_key(kv_layout):
+    # forward() looks its plan up by a key read off the problem: it must be the key of the
+    # problem's layout, or forward() and device-array calls would plan the same layout twice
+    from paged_sparse_attn._attention_plan import problem_key
+    from paged_sparse_attn._layout import layout_of
+    from paged_sparse_attn._validation import validate_forward
+
+    for k, scale, causal in ((K, None, False), (K.astype(np.float16), 0.5, True)):
+        p = validate_forward("forward", Q, to_layout(k, kv_layout), to_layout(k, kv_layout), LAY["block_tables"], SEL,
+                             LAY["cu_seqlens_q"], used_kv_lens=LAY["used_kv_lens"], block_size=8,
+                             softmax_scale=scale, causal=causal, kv_layout=kv_layout)
+        assert problem_key(p) == layout_of(p).structure_key()
+
 class _HndOnly(psa.Backend):
     name = "hnd-only"
 

@@ -188,6 +188,55 @@ def test_R17_exact_message_of_an_out_of_range_block_id():
     assert ei.value.rule == "R6"
 
 
+def test_R17_arrays_changed_in_place_between_calls_are_checked_again():
+    # the checks of an array equal to one that passed are not repeated: a change in place, a
+    # change of dtype with the same bytes, or another cache size must be checked as new
+    d = base()
+    call_forward(d)
+    d["bt"][1, 1] = 5  # P = 5: no such page
+    with pytest.raises(psa.SpecError, match=r"block_tables contains 5 at \[1, 1\], expected -1 or a page id in \[0, 5\) \[R2\]"):
+        call_forward(d)
+    d["bt"][1, 1] = -1
+    call_forward(d)
+    d["lens"][1] = 17
+    with pytest.raises(psa.SpecError, match=r"used_kv_lens\[1\]=17 is outside \[0, msb\*block_size=16\] \[R4\]"):
+        call_forward(d)
+    d["lens"][1] = 5
+    d["cu"][1] = 5
+    with pytest.raises(psa.SpecError, match=r"non-decreasing, got 5 then 4 at \[1, 2\] \[R3\]"):
+        call_forward(d)
+    d["cu"][1] = 3
+    call_forward(d)
+    with pytest.raises(psa.SpecError, match=r"block_tables must have an integer dtype, got float64 \[R7\]"):
+        call_forward({**d, "bt": d["bt"].view(np.float64)})  # the same bytes read as floats
+    with pytest.raises(psa.SpecError, match=r"block_tables contains 4 at \[0, 6\], expected -1 or a page id in \[0, 4\) \[R2\]"):
+        call_forward({**d, "k": d["k"][:4], "v": d["v"][:4]})  # fewer pages than the call before
+
+
+def test_R6_range_check_at_the_int32_edges():
+    for bad, rel in ((2**31 - 1, ">= msb=8"), (-2, "< -1"), (-2**31, "< -1"), (8, ">= msb=8")):
+        d = base()
+        d["sel"] = d["sel"].astype(np.int64)
+        d["sel"][2, 1, 1] = bad
+        with pytest.raises(psa.SpecError) as ei:
+            call_forward(d)
+        assert str(ei.value) == f"forward(): selected contains block id {bad} {rel} at [2, 1, 1] [R6]"
+
+
+def test_R6_equal_ids_in_neighbouring_rows_are_not_repeats():
+    d = base()
+    # each row's largest id is the next row's smallest: adjacent after sorting, in different rows
+    d["sel"] = np.array([[[0, 3, -1], [3, 5, -1]],
+                         [[5, 6, -1], [6, 7, -1]],
+                         [[7, -1, -1], [-1, 7, -1]],
+                         [[-1, 7, 2], [2, -1, -1]]])
+    call_forward(d)
+    d["sel"][3, 1, 2] = 2
+    with pytest.raises(psa.SpecError) as ei:
+        call_forward(d)
+    assert str(ei.value) == "forward(): selected row [3, 1] repeats block id 2; ids must be unique per row [R6]"
+
+
 def test_R17_spec_error_is_a_value_error_with_a_rule():
     assert issubclass(psa.SpecError, ValueError)
     assert issubclass(psa.SpecError, psa.PagedSparseAttnError)

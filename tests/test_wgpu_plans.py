@@ -55,3 +55,25 @@ def test_R32_device_layers_equal_single_calls_with_temporaries_dropped_at_once(W
                                                           backend=be, **kw))
     plan.close()
     be.close()
+
+
+def test_R32_forward_sees_lengths_and_pages_changed_in_place(WgpuBackend):
+    # a decode loop that updates its used_kv_lens and block_tables arrays in place: each plain
+    # call through the plan cache equals a call on fresh copies of the arrays
+    be = WgpuBackend()
+    c = _decode(4, pages=6)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    bt, lens = c["bt"].copy(), c["lens"].copy()
+    kw = dict(block_size=c["BS"], causal=True, backend=be)
+
+    first = psa.forward(c["qs"][0], kd, vd, bt, c["sel"], c["cu"], used_kv_lens=lens, **kw)
+    lens[:] = np.maximum(1, lens - 3)
+    second = psa.forward(c["qs"][0], kd, vd, bt, c["sel"], c["cu"], used_kv_lens=lens, **kw)
+    bt[:] = bt[::-1]
+    third = psa.forward(c["qs"][0], kd, vd, bt, c["sel"], c["cu"], used_kv_lens=lens, **kw)
+    ref = lambda b, n: psa.forward(c["qs"][0], c["k"], c["v"], b, c["sel"], c["cu"], used_kv_lens=n,  # noqa: E731
+                                   block_size=c["BS"], causal=True, backend=be)
+    np.testing.assert_array_equal(first, ref(c["bt"].copy(), c["lens"].copy()))
+    np.testing.assert_array_equal(second, ref(c["bt"].copy(), lens.copy()))
+    np.testing.assert_array_equal(third, ref(bt.copy(), lens.copy()))
+    assert not np.array_equal(first, second) and not np.array_equal(second, third)

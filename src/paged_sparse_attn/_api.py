@@ -29,10 +29,19 @@ __all__ = ["forward", "forward_partials", "combine_partials", "build_kvouter_ind
            "check_owner"]
 
 
+# problems a backend's capabilities were found to allow, by the id of that Capabilities record
+# (kept alive by the entry, so the id is not reused); a record is immutable, so a decode loop's
+# calls need no second look
+_ALLOWED: dict = {}
+
+
 def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...], head_dim: int,
                        page_size: int, block_size: int, device_arrays: bool, kv_layout: str = "HND") -> None:
     """Raise UnsupportedError (R18) if ``backend`` cannot run a valid problem of this kind."""
     caps: Capabilities = backend.capabilities
+    key = (id(caps), tuple(dtypes), head_dim, page_size, block_size, device_arrays, kv_layout)
+    if _ALLOWED.get(key) is caps:
+        return
     why = None
     for dt in dtypes:
         if np.dtype(dt).name not in caps.dtypes:
@@ -50,6 +59,9 @@ def check_capabilities(backend: Backend, fn: str, *, dtypes: tuple[np.dtype, ...
         why = f"kv_layout {kv_layout!r} is not supported (supported: {', '.join(layouts)})"
     if why:
         raise UnsupportedError(f"{fn}(): backend {backend_label(backend)} cannot run this problem: {why} [R18]")
+    if len(_ALLOWED) >= 64:
+        _ALLOWED.clear()
+    _ALLOWED[key] = caps
 
 
 def check_owner(backend: Backend, fn: str, *arrays: Any) -> bool:
@@ -138,10 +150,9 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
     be = resolve_backend(backend, p.k_cache, p.v_cache)
     _run_checks(be, "forward", p)
     if be.plans_forward(p):  # the backend's plan runtime takes this call (R32)
-        from ._attention_plan import cached_plan
-        from ._layout import layout_of
+        from ._attention_plan import forward_plan
 
-        out, lse = checked_out_lse(be, "forward", cached_plan(layout_of(p), be)._run(
+        out, lse = checked_out_lse(be, "forward", forward_plan(p, be)._run(
             p.q, p.k_cache, p.v_cache, p.selected), p.q.shape)
         return (out, lse) if return_lse else out
     index = build_index_arrays(p.selected, p.layout)

@@ -10,6 +10,7 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -18,13 +19,13 @@ import numpy as np
 
 from ._api import check_capabilities, check_owner
 from ._host_runtime import HostRuntime
-from ._layout import BatchLayout, validate_layout
+from ._layout import BatchLayout, layout_of, validate_layout
 from ._types import DeviceArray, KVOuterIndex
 from ._validation import _fail, cache_dims, check_cache_layout, check_float_array, check_int_array, check_selected
 from .errors import UnsupportedError
 from .registry import resolve_backend
 
-__all__ = ["plan_attention", "AttentionPlan", "cached_plan", "forward_planned"]
+__all__ = ["plan_attention", "AttentionPlan", "cached_plan", "forward_plan", "forward_planned"]
 
 
 def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size, num_q_heads,
@@ -264,34 +265,68 @@ class AttentionPlan:
 # --- the plan cache of forward() ------------------------------------------------------------------
 
 _CACHE_SIZE = 8
-_cache: "OrderedDict[tuple, AttentionPlan]" = OrderedDict()
+_cache: "OrderedDict[tuple, tuple[AttentionPlan, bytes, bytes]]" = OrderedDict()  # plan, its pages, lengths
 _cache_lock = threading.Lock()
+
+
+def _own(layout: BatchLayout) -> tuple[BatchLayout, bytes, bytes]:
+    """``layout`` with copies of its page map and lengths (a cached plan outlives the call, and the
+    caller may change its arrays in place for the next one), and their bytes."""
+    L = layout.layout
+    bt, lens = L.block_tables.copy(), L.used_kv_lens.copy()
+    return (dataclasses.replace(layout, layout=dataclasses.replace(L, block_tables=bt, used_kv_lens=lens)),
+            bt.tobytes(), lens.tobytes())
 
 
 def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:
     """The plan of ``layout`` on ``backend`` for ``forward()``: made on first use and kept (least
     recently used evicted past 8), keyed by the layout's structure; a call with new lengths or
     pages updates the kept plan (a decode loop of plain calls reuses one plan)."""
-    key = (id(backend), getattr(backend, "_generation", 0), layout.structure_key())
+    return _cached(layout.structure_key(), backend, layout.block_tables, layout.used_kv_lens, lambda: layout)
+
+
+def forward_plan(p, backend) -> AttentionPlan:
+    """``cached_plan(layout_of(p), backend)`` for a validated ``Problem``, without building the
+    layout when the cache holds its plan with the same pages and lengths (a decode step)."""
+    return _cached(problem_key(p), backend, p.block_tables, p.used_kv_lens, lambda: layout_of(p))
+
+
+def problem_key(p) -> tuple:
+    """``layout_of(p).structure_key()``, read off the problem."""
+    return (p.block_tables.shape, p.cu_seqlens_q.tobytes(), p.block_size, p.page_size, p.num_q_heads,
+            p.num_kv_heads, p.head_dim, p.cache_dtype, p.topk, p.softmax_scale, p.causal, None, None, None,
+            p.kv_layout)
+
+
+def _cached(structure: tuple, backend, block_tables: np.ndarray, used_kv_lens: np.ndarray, layout) -> AttentionPlan:
+    key = (id(backend), getattr(backend, "_generation", 0), structure)
     with _cache_lock:
         hit = _cache.get(key)
-        if hit is not None and hit.backend is backend:
+        if hit is not None and hit[0].backend is backend:
             _cache.move_to_end(key)
-    if hit is not None and hit.backend is backend:
-        old = hit.layout
-        if not (np.array_equal(old.block_tables, layout.block_tables)
-                and np.array_equal(old.used_kv_lens, layout.used_kv_lens)):
-            with hit._lock:
-                hit._runtime.update(layout)
-                if hit._host is not hit._runtime:
-                    hit._host.update(layout)
-                hit.layout = layout
-        return hit
-    plan = AttentionPlan(layout, backend)
+        else:
+            hit = None
+    if hit is not None:
+        plan, bt_bytes, lens_bytes = hit
+        # compared with the plan's own copies: the caller's arrays may be the ones it had before,
+        # changed in place
+        if block_tables.tobytes() != bt_bytes or used_kv_lens.tobytes() != lens_bytes:
+            own, bt_bytes, lens_bytes = _own(layout())
+            with plan._lock:
+                plan._runtime.update(own)
+                if plan._host is not plan._runtime:
+                    plan._host.update(own)
+                plan.layout = own
+            with _cache_lock:
+                if _cache.get(key) is hit:
+                    _cache[key] = (plan, bt_bytes, lens_bytes)
+        return plan
+    own, bt_bytes, lens_bytes = _own(layout())
+    plan = AttentionPlan(own, backend)
     with _cache_lock:
-        _cache[key] = plan
+        _cache[key] = (plan, bt_bytes, lens_bytes)
         while len(_cache) > _CACHE_SIZE:
-            _, old_plan = _cache.popitem(last=False)
+            _, (old_plan, _, _) = _cache.popitem(last=False)
             old_plan.close()
     return plan
 

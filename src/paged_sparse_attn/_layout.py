@@ -103,9 +103,8 @@ class BatchLayout(_LayoutFacts):
         """What a plan's buffers depend on: everything but the page map and the lengths, which a
         plan takes in ``update`` (the plan cache of ``forward()`` is keyed by it)."""
         return (self.block_tables.shape, self.cu_seqlens_q.tobytes(), self.block_size, self.page_size, self.num_q_heads,
-                self.num_kv_heads, self.head_dim, self.kv_dtype.name, self.topk, self.softmax_scale,
-                self.causal, self.index_dim, self.num_index_heads,
-                None if self.index_dtype is None else self.index_dtype.name, self.kv_layout)
+                self.num_kv_heads, self.head_dim, self.kv_dtype, self.topk, self.softmax_scale,
+                self.causal, self.index_dim, self.num_index_heads, self.index_dtype, self.kv_layout)
 
 
 def validate_layout(fn: str, block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size,

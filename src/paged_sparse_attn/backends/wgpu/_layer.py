@@ -510,7 +510,9 @@ class DeviceRuntime:
                 return res.tensors()
             n = self.o_bytes + self.ml_bytes + 8
             try:
-                raw = np.frombuffer(map_read(self.rb, n), dtype=np.uint8)
+                mapped = map_read(self.rb, n)  # waits for the submission
+                t_map = time.perf_counter()
+                raw = np.frombuffer(mapped, dtype=np.uint8)
                 err = raw[self.o_bytes + self.ml_bytes:].view(np.uint32)
                 if int(err[0]):
                     raise SpecError(error_message(fn, int(err[0]), int(err[1]), L.num_kv_heads, L.msb), "R6")
@@ -520,7 +522,8 @@ class DeviceRuntime:
                 if self.rb.map_state != "unmapped":
                     self.rb.unmap()
             t3 = time.perf_counter()
-            timings.update(encode_s=t1 - t0, submit_s=t2 - t1, wait_readback_s=t3 - t2, total_s=t3 - t0)
+            timings.update(encode_s=t1 - t0, submit_s=t2 - t1, wait_readback_s=t3 - t2, wait_s=t_map - t2,
+                           read_s=t3 - t_map, total_s=t3 - t0)
             self._read_timings(timings, sparse is not None)
             self.be.last_timings = timings
             return out, lse.reshape(self.Tq, self.Hq)

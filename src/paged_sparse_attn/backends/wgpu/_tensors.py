@@ -210,9 +210,12 @@ def lse_from_ml(ml: np.ndarray) -> np.ndarray:
     """Natural-log LSE from the combine's ``(m, l)`` rows: ``m + ln l``, ``-inf`` where ``l = 0``
     (a NaN ``l``, from NaN or Inf in attended data, gives NaN, as in the reference)."""
     l = ml[:, 1].astype(np.float64)
+    empty = l == 0
     with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(l != 0, ml[:, 0].astype(np.float64) + np.log(np.where(l != 0, l, 1.0)), -np.inf)
-    return lse.astype(np.float32)
+        np.log(l, out=l)  # in place: one float64 temporary per call, not four
+        np.add(ml[:, 0].astype(np.float64), l, out=l)  # (m first: the NaN a NaN m gives is m's)
+    l[empty] = -np.inf
+    return l.astype(np.float32)
 
 
 def upload(backend, ctx, x: np.ndarray, label: str) -> WgpuTensor:
