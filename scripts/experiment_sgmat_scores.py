@@ -29,14 +29,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import check_sgmat_scores as chk  # noqa: E402  (the problems, the bound and the comparison)
+import check_sgmat_scores as chk
 
-from paged_sparse_attn import registry  # noqa: E402
-from paged_sparse_attn._index import query_positions  # noqa: E402
-from paged_sparse_attn.backends.wgpu import _index_branch as ib  # noqa: E402
-from paged_sparse_attn.index_branch import block_scores  # noqa: E402
-from paged_sparse_attn.index_branch._validation import validate_block_scores  # noqa: E402
-from paged_sparse_attn.index_branch.reference import block_scores_reference  # noqa: E402
+from paged_sparse_attn import registry
+from paged_sparse_attn._index import query_positions
+from paged_sparse_attn.backends.wgpu import _index_branch as ib
+from paged_sparse_attn.index_branch import block_scores
+from paged_sparse_attn.index_branch._validation import validate_block_scores
+from paged_sparse_attn.index_branch.reference import block_scores_reference
 
 VARIANTS = [(1, 1), (1, 8), (2, 1), (2, 4), (2, 8), (2, 16), (4, 8), (1, 16)]
 
@@ -101,7 +101,7 @@ def gpu_time(be, p, repeat: int) -> float:
             iq[:, :, :d] = prob.index_q
             items = st.plan(0, Tq)[0]
             words = np.concatenate([st.qend.astype(np.int32).view(np.uint32), items.astype(np.uint32).reshape(-1)])
-            mk = lambda a: dev.create_buffer_with_data(data=np.ascontiguousarray(a), usage=U.STORAGE)  # noqa: E731
+            mk = lambda a: dev.create_buffer_with_data(data=np.ascontiguousarray(a), usage=U.STORAGE)
             qbuf, pbuf, plbuf = mk(iq), mk(st.pt), mk(words)
             nbytes = Tq * Hkv * prob.msb * 4
             obuf = dev.create_buffer(size=nbytes, usage=U.STORAGE | U.COPY_DST | U.COPY_SRC)
