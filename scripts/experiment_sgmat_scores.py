@@ -153,15 +153,15 @@ class Prefill:
 
     SAMPLE = 64
 
-    def __init__(self):
-        self.p = p = chk.problem(np.random.default_rng(0), [4096], [32768], Hkv=4, poison=False)
+    def __init__(self, T: int = 4096, L: int = 32768):
+        self.p = p = chk.problem(np.random.default_rng(0), [T], [L], Hkv=4, poison=False)
         self.scale = 1.0 / np.sqrt(128.0)
         iq, ik, bt = p["index_q"], p["index_k_cache"], p["block_tables"]
-        T, L, BS, d = 4096, 32768, p["block_size"], iq.shape[2]
+        BS, d = p["block_size"], iq.shape[2]
         K = ik[bt[0, :L // 64], 0].reshape(L, d).astype(np.float64)  # positions 0 .. L-1
         _, hi = query_positions(p["cu_seqlens_q"], p["used_kv_lens"], True)
         rng = np.random.default_rng(5)
-        self.ts = np.unique(np.concatenate([[0, 1, 127, 128, T - 1], rng.integers(0, T, self.SAMPLE - 5)]))
+        self.ts = np.unique(np.concatenate([[0, 1, T // 2, T - 1], rng.integers(0, T, self.SAMPLE - 4)]))
         q = iq[self.ts].astype(np.float64)  # [n, H, d]
         vis = np.arange(L)[None, :] < hi[self.ts][:, None]  # [n, L]
         eps = float(np.finfo(np.float32).eps)
@@ -226,6 +226,8 @@ def main() -> int:
     ap.add_argument("--backend", default="dawn")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--variants", nargs="*", default=None, help="NT,IPW pairs (default: the built-in list)")
+    ap.add_argument("--prefill", nargs=2, type=int, default=(4096, 32768), metavar=("TQ", "L"),
+                    help="the timed shape's queries and cached positions (default 4096 32768)")
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.variants] if a.variants else VARIANTS
     t0 = time.perf_counter()
@@ -241,7 +243,7 @@ def main() -> int:
     for _, p, scale, causal in smalls:
         kw = dict(block_size=p["block_size"], causal=causal, softmax_scale=scale)
         refs.append((block_scores_reference(*chk.args_of(p), **kw), chk.bound_of(p, scale, causal)))
-    pre = Prefill()
+    pre = Prefill(*a.prefill)
     print(f"(references ready at {time.perf_counter() - t0:.1f} s)", flush=True)
 
     orig = (ib.SGMAT_SCORES_NT, ib.SGMAT_SCORES_IPW)
