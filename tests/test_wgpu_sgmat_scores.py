@@ -13,6 +13,9 @@ import pytest
 
 from paged_sparse_attn.backends.wgpu._index_branch import (
     SCORES_SGMAT,
+    SGMAT_SCORES_IPW,
+    SGMAT_SCORES_NT,
+    score_dispatches,
     sgmat_scores_constants,
     sgmat_scores_workgroup_bytes,
 )
@@ -39,7 +42,7 @@ def test_kernel_table_row_is_a_subgroup_matrix_drop_in_for_the_fma_kernel():
 @pytest.mark.parametrize("rows, rt", [(9, 16), (16, 16), (17, 32), (33, 64), (64, 64), (200, 64)])
 def test_the_kernel_tile_covers_the_items_rows(rows, rt):
     geo, why = _pick(rows_per_seq=rows, choice="sgmat")
-    assert geo == {"RT": rt}, why
+    assert geo == {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW}, why
 
 
 def test_auto_keeps_the_fma_kernel_while_the_tensor_core_one_is_slower(monkeypatch):
@@ -50,7 +53,7 @@ def test_auto_keeps_the_fma_kernel_while_the_tensor_core_one_is_slower(monkeypat
     geo, why = _pick()
     assert geo is None and "slower" in why
     monkeypatch.setattr(_index_branch, "SGMAT_SCORES_AUTO", True)
-    assert _pick()[0] == {"RT": 64}
+    assert _pick()[0]["RT"] == 64
 
 
 def test_subgroup_matrix_kernels_keep_workgroup_variables_16_byte_aligned():
@@ -76,9 +79,13 @@ def test_subgroup_matrix_kernels_keep_workgroup_variables_16_byte_aligned():
     (dict(rows_per_seq=8), "decode"),
     (dict(d_idx=8), "d_idx"),
     (dict(d_idx=136), "d_idx"),
+    (dict(d_idx=40), "multiple of 16"),
+    (dict(page_size=8), "page size"),
+    (dict(page_size=24), "page size"),
+    (dict(block_size=8), "block size"),
     (dict(ctx=_ctx(subgroup=(64, ""))), "subgroup size"),
     (dict(ctx=_ctx(subgroup=(None, "not measured"))), "subgroup size"),
-    (dict(ctx=_ctx(workgroup_storage=32768)), "workgroup memory"),
+    (dict(ctx=_ctx(workgroup_storage=16384)), "workgroup memory"),
     (dict(choice="fma"), "FMA"),
     (dict(choice="auto"), "slower"),
 ])
@@ -88,23 +95,24 @@ def test_the_fma_kernel_runs_where_the_tensor_core_kernel_does_not_apply(kw, rea
 
 
 def test_forcing_the_tensor_core_kernel_where_it_cannot_run_raises():
-    assert _pick(choice="sgmat")[0] == {"RT": 64}
+    assert _pick(choice="sgmat")[0]["RT"] == 64
     with pytest.raises(UnsupportedError, match="HND"):
         _pick(hnd=False, choice="sgmat")
 
 
-@pytest.mark.parametrize("rt", [16, 32, 64])
-def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device, rt):
+@pytest.mark.parametrize("rt, nt, ipw, dv", [(16, 1, 1, 32), (32, 2, 8, 4), (64, 4, 16, 16), (64, 2, 8, 32)])
+def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device, rt, nt, ipw, dv):
     """The Null adapter allows 16 KiB of workgroup memory: the pipeline is refused with the
     byte count Tint computed from the shader, which must be the host's."""
     device, ctx = tint_device
     module = device.create_shader_module(code=kernel_source(ctx, SCORES_SGMAT))
     with pytest.raises(Exception) as err:
         device.create_compute_pipeline(layout="auto", compute={
-            "module": module, "entry_point": "main", "constants": {"DV": 32, "S": 64, "BS": 128, "RT": rt}})
+            "module": module, "entry_point": "main",
+            "constants": {"DV": dv, "S": 64, "BS": 128, "RT": rt, "NT": nt, "IPW": ipw}})
     used = re.search(r"workgroup storage \((\d+) bytes\)", str(err.value))
     assert used is not None, str(err.value)
-    assert int(used.group(1)) == sgmat_scores_workgroup_bytes(rt)
+    assert int(used.group(1)) == sgmat_scores_workgroup_bytes(nt)
 
 
 def test_the_scores_kernel_option_is_checked_and_forcing_says_why(WgpuBackend):
@@ -128,3 +136,16 @@ def test_the_scores_kernel_option_is_checked_and_forcing_says_why(WgpuBackend):
     want = block_scores(*score_args(c), block_size=c["block_size"], backend="numpy")
     assert np.array_equal(np.isneginf(got), np.isneginf(want))
     assert np.allclose(got, want, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("n, ipw, maxdim", [(1, 8, 65535), (17, 8, 65535), (64, 8, 65535), (1000, 16, 7),
+                                            (50, 1, 4), (0, 8, 65535)])
+def test_score_dispatches_give_every_item_to_one_workgroup(n, ipw, maxdim):
+    """Workgroup w of a dispatch runs items item_base + w IPW .. + IPW - 1 below n_items: every
+    item once, grids within the device's limit."""
+    seen = []
+    for base, cnt, gx, gy in score_dispatches(n, ipw, maxdim):
+        assert gx <= maxdim and gy <= maxdim and 0 < cnt
+        for w in range(gx * gy):
+            seen += [base + i for i in range(w * ipw, min(w * ipw + ipw, cnt))]
+    assert sorted(seen) == list(range(n))

@@ -81,28 +81,36 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
 
 
 # The tensor-core variant (16x16x16 f16 subgroup matrices; docs/spec/numerics.md, "Block scores
-# on tensor cores"): float16 HND index keys, 16 <= d_idx <= 128, items of 16 .. 64 rows.
+# on tensor cores"): float16 HND index keys, d_idx a multiple of 16 in 16..128, pages and blocks
+# of whole 16-position tiles (the kernel loads its keys straight from storage, a tile from one
+# page), items of 16 .. 64 rows.
 SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
 SGMAT_SCORES_DIMS = (16, 128)
 SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
-# whether "auto" takes the tensor-core kernel: not yet. It is right on the H200 (every check of
-# scripts/check_sgmat_scores.py) but slower than the FMA kernel there: 16.6 against 8.2 ms on the
-# prefill shape (GPU timestamps, 2026-12-01).
+SGMAT_SCORES_NT = 2   # 16-position tiles per step of the kernel (1, 2 or 4; scripts/experiment_sgmat_scores.py)
+SGMAT_SCORES_IPW = 8  # consecutive work items per workgroup (the queries are staged once for them)
+# whether "auto" takes the tensor-core kernel: not yet. Its first layout was right on the H200
+# (every check of scripts/check_sgmat_scores.py) but slower than the FMA kernel there: 16.6
+# against 8.2 ms on the prefill shape (GPU timestamps, 2026-12-01); the present layout (keys
+# from storage, several items per workgroup, per-subgroup folds) is to be measured.
 SGMAT_SCORES_AUTO = False
 
 
-def sgmat_scores_workgroup_bytes(rt: int) -> int:
-    """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable rounded up to 16 bytes, as
-    Dawn counts it): the f16 tile (8704 halves), the f32 results (4352), the position flags (64),
-    six per-row arrays, the flag array and the flag vector."""
-    return 2 * 8704 + 4 * 4352 + 4 * 64 + 6 * (-(-4 * int(rt) // 16) * 16) + 2 * 16
+def sgmat_scores_workgroup_bytes(nt: int = SGMAT_SCORES_NT) -> int:
+    """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable a whole number of 16-byte
+    units, as Dawn counts it): the staged query tile (hi and lo, 16 rows of 136 halves), two
+    result buffers of 16 x (16 NT + 4) floats per subgroup (4 subgroups), the 64 row records."""
+    return 2 * 2 * 16 * 136 + 4 * 2 * 4 * 16 * (16 * int(nt) + 4) + 16 * 64
 
 
 def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd: bool,
-                           batch_invariant: bool, choice: str = "auto"):
+                           batch_invariant: bool, page_size: int = 64, block_size: int = 128,
+                           choice: str = "auto"):
     """``(override constants, "")`` of psa_block_scores_sgmat.wgsl for these block scores, or
     ``(None, why)`` when the FMA kernel runs. ``choice`` "fma" never takes it, "sgmat" raises
-    :class:`UnsupportedError` instead of returning None (to compare the kernels)."""
+    :class:`UnsupportedError` instead of returning None (to compare the kernels). The constants
+    hold ``RT`` (rows per work item), ``NT`` and ``IPW`` (work items per workgroup: the host
+    dispatches ``ceil(n_items / IPW)`` workgroups, :func:`score_dispatches`)."""
     why = ""
     if choice == "fma":
         return None, "the FMA kernel was asked for"
@@ -116,22 +124,31 @@ def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd
         why = "batch_invariant=True keeps one kernel for every batch"
     elif rows_per_seq <= 8:
         why = "decode items (<= 8 rows) keep their kernel"
-    elif not SGMAT_SCORES_DIMS[0] <= d_idx <= SGMAT_SCORES_DIMS[1]:
-        why = f"d_idx is outside {SGMAT_SCORES_DIMS[0]}..{SGMAT_SCORES_DIMS[1]}"
+    elif not SGMAT_SCORES_DIMS[0] <= d_idx <= SGMAT_SCORES_DIMS[1] or d_idx % 16:
+        why = f"d_idx is not a multiple of 16 in {SGMAT_SCORES_DIMS[0]}..{SGMAT_SCORES_DIMS[1]}"
+    elif page_size % 16 or block_size % 16:
+        why = f"page size {page_size} or block size {block_size} is not a multiple of 16 positions"
     elif getattr(ctx, "subgroup", (None,))[0] != SGMAT_SCORES_SUBGROUP:
         why = f"the subgroup size is not {SGMAT_SCORES_SUBGROUP}"
     else:
         rt = max(16, score_rows_per_item(rows_per_seq))
-        if sgmat_scores_workgroup_bytes(rt) > ctx.workgroup_storage:
-            why = f"{sgmat_scores_workgroup_bytes(rt)} bytes of workgroup memory needed"
+        if sgmat_scores_workgroup_bytes() > ctx.workgroup_storage:
+            why = f"{sgmat_scores_workgroup_bytes()} bytes of workgroup memory needed"
         elif choice == "auto" and not SGMAT_SCORES_AUTO:
             return None, ("the tensor-core kernel is slower than the FMA kernel where measured (16.6 against "
                           "8.2 ms on the H200); ask for it with the 'sgmat' choice")
         else:
-            return {"RT": rt}, ""
+            return {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW}, ""
     if choice == "sgmat":
         raise UnsupportedError(f"block_scores(): the tensor-core kernel cannot run: {why} [R18]")
     return None, why
+
+
+def score_dispatches(n_items: int, ipw: int, max_per_dim: int):
+    """Dispatches of ``n_items`` block-score work items, ``ipw`` per workgroup: yields
+    ``(item_base, n_items, grid_x, grid_y)`` (the params' first item, its item count, the grid)."""
+    for f2, cnt, gx, gy in grid_dispatches(-(-int(n_items) // int(ipw)), max_per_dim):
+        yield f2 * ipw, min(cnt * ipw, n_items - f2 * ipw), gx, gy
 
 
 def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
@@ -357,6 +374,7 @@ class IndexBranchMixin:
                 f"{ctx.binding_size} bytes; split the call into fewer sequences [R18]")
 
         rows_per_seq = int(T.max(initial=1)) * (Hkv if Hk == 1 else 1)
+        ipw = 1  # work items per workgroup
         f16 = np.dtype(ik.dtype).itemsize == 2
         DCV = 0
         if self._batch_invariant:  # R27: one kernel and one tile whatever the batch
@@ -378,10 +396,11 @@ class IndexBranchMixin:
                                                                   **layout.kernel_constants()})
         elif (tc := sgmat_scores_constants(ctx, f16=f16, d_idx=d, rows_per_seq=rows_per_seq,
                                            hnd=layout.rh == 1 and layout.kv_layout == "HND",
-                                           batch_invariant=self._batch_invariant,
+                                           batch_invariant=self._batch_invariant, page_size=S, block_size=BS,
                                            choice=self._scores_kernel))[0] is not None:
-            # tensor cores: the FMA kernel's items (of RT rows), bindings, params and output
-            RT = tc[0]["RT"]
+            # tensor cores: the FMA kernel's items (of RT rows), bindings, params and output; IPW
+            # items per workgroup
+            RT, ipw = tc[0]["RT"], tc[0]["IPW"]
             pipe, bgl = self._ib_pipeline(SCORES_SGMAT, False, {"DV": DV, "S": S, "BS": BS, **tc[0]})
         else:
             RT = score_rows_per_item(rows_per_seq)
@@ -428,7 +447,7 @@ class IndexBranchMixin:
             return [np.concatenate(x) if x else np.zeros((0, 8), np.int64) for x in per_chunk]
 
         return SimpleNamespace(ik=ik, resident=resident, layout=layout, starts=starts, nch=nch, pt=pt, DCV=DCV, DV=DV,
-                               f16=f16, pipe=pipe, bgl=bgl, step=step, plan=plan, qend=qend)
+                               f16=f16, pipe=pipe, bgl=bgl, step=step, plan=plan, qend=qend, ipw=ipw)
 
     def _block_scores_run(self, p, st) -> np.ndarray:
         Tq, Hkv, d = p.index_q.shape
@@ -462,7 +481,7 @@ class IndexBranchMixin:
                         for i0 in range(0, items.shape[0], per_plan):
                             part = items[i0:i0 + per_plan]
                             plbuf = run.data(np.concatenate([qend_w, part.astype(np.uint32).reshape(-1)]), "plan")
-                            for f2, cnt, gx, gy in grid_dispatches(part.shape[0], maxdim):
+                            for f2, cnt, gx, gy in score_dispatches(part.shape[0], st.ipw, maxdim):
                                 rec = _record(f2, cnt, gx, nq, Hkv, msb, scale, int(starts[c]), int(starts[c + 1]))
                                 run.dispatch(pipe, bgl, [qbuf, kbufs[c], pbuf, plbuf, obuf], rec, gx, gy)
 
