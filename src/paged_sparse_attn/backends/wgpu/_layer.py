@@ -604,7 +604,7 @@ class DeviceRuntime:
 
         from ..._types import IndexProblem
         from ._index_branch import PARAM_BYTES as SREC
-        from ._index_branch import TOPK, TOPK_CAP, TOPK_WG, _record
+        from ._index_branch import TOPK, TOPK_CAP, TOPK_WG, _record, score_dispatches
         from ._plan import grid_dispatches
 
         key = ik.buffers()[0].uid
@@ -644,7 +644,7 @@ class DeviceRuntime:
             splan = self._buffer(words.nbytes, U.STORAGE | U.COPY_DST, "score.items", sp.bufs)
             dev.queue.write_buffer(splan, 0, words)
             kbuf = ik.buffers()[0]
-            for f2, cnt, gx, gy in grid_dispatches(items.shape[0], maxdim):
+            for f2, cnt, gx, gy in score_dispatches(items.shape[0], st.ipw, maxdim):
                 records.append(_record(f2, cnt, gx, Tq, Hkv, msb, float(p.softmax_scale), 0, int(st.starts[1])))
                 calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
         sp.n_score_calls = len(calls)
