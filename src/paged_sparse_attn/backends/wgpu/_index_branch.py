@@ -87,13 +87,13 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
 SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
 SGMAT_SCORES_DIMS = (16, 128)
 SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
-SGMAT_SCORES_NT = 2   # 16-position tiles per step of the kernel (1, 2 or 4; scripts/experiment_sgmat_scores.py)
-SGMAT_SCORES_IPW = 8  # consecutive work items per workgroup (the queries are staged once for them)
-# whether "auto" takes the tensor-core kernel: not yet. Its first layout was right on the H200
-# (every check of scripts/check_sgmat_scores.py) but slower than the FMA kernel there: 16.6
-# against 8.2 ms on the prefill shape (GPU timestamps, 2026-12-01); the present layout (keys
-# from storage, several items per workgroup, per-subgroup folds) is to be measured.
-SGMAT_SCORES_AUTO = False
+# Geometry and whether "auto" takes the tensor-core kernel, measured on the H200 (prefill shape,
+# Dawn, GPU timestamps, scripts/experiment_sgmat_scores.py, every variant right): 16-position tiles
+# per step x items per workgroup, NT=1 IPW=16 5.43 ms, NT=1 IPW=1 6.50, NT=4 IPW=8 9.33, NT=2
+# IPW=16 9.64, NT=2 IPW=8 10.74, NT=1 IPW=8 12.12, NT=2 IPW=1 15.77; the FMA kernel 8.24 ms.
+SGMAT_SCORES_NT = 1   # 16-position tiles per step of the kernel (1, 2 or 4)
+SGMAT_SCORES_IPW = 16  # consecutive work items per workgroup (the queries are staged once for them)
+SGMAT_SCORES_AUTO = True
 
 
 def sgmat_scores_workgroup_bytes(nt: int = SGMAT_SCORES_NT) -> int:
@@ -135,8 +135,8 @@ def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd
         if sgmat_scores_workgroup_bytes() > ctx.workgroup_storage:
             why = f"{sgmat_scores_workgroup_bytes()} bytes of workgroup memory needed"
         elif choice == "auto" and not SGMAT_SCORES_AUTO:
-            return None, ("the tensor-core kernel is slower than the FMA kernel where measured (16.6 against "
-                          "8.2 ms on the H200); ask for it with the 'sgmat' choice")
+            return None, ("the tensor-core kernel is turned off for 'auto' (SGMAT_SCORES_AUTO); ask for it "
+                          "with the 'sgmat' choice")
         else:
             return {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW}, ""
     if choice == "sgmat":
