@@ -22,9 +22,10 @@ from ..._types import DeviceArray
 from ...errors import DeviceError, UnsupportedError
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._device import after_device_error, destroy_all, device_errors
+from ._transfer import CallBuffers, bind_group
 from ._kernels import pipeline
 from ._plan import grid_dispatches, unique_sorted
-from ._webgpu import BufferUsage, MapMode
+from ._webgpu import BufferUsage
 
 __all__ = ["IndexBranchMixin", "decode_score_keys"]
 
@@ -185,33 +186,47 @@ def _record(*vals) -> np.ndarray:
 
 
 class _Run:
-    """Buffers, passes and readbacks of one submission; every buffer is freed by :meth:`close`."""
+    """Buffers, passes and readbacks of one index-branch submission, on the backend's call helpers
+    (``_transfer``, as ``forward()``'s calls): buffers from the device's pool (made for the call
+    and freed under a device-memory budget), bind groups cached where every buffer outlives the
+    call, and every result read back through one mapped buffer.
 
-    def __init__(self, ctx):
+    Parameters
+    ----------
+    ctx : DeviceContext
+    pooled : bool
+        Take buffers from the pool (False under ``max_device_bytes``: made and freed per call).
+    cache_bind_groups : bool
+        Every buffer bound outlives the call (pooled buffers, a resident index cache).
+    """
+
+    def __init__(self, ctx, pooled: bool, cache_bind_groups: bool = False):
         self.ctx = ctx
         self.dev = ctx.device
-        self.owned: list = []
+        self.bufs = CallBuffers(ctx, pooled)
+        self.cache_bg = cache_bind_groups and pooled
+        self.owned: list = []  # made outside the pool for this call (an index cache uploaded per call)
+        self.slots: dict = {}  # label -> next pool slot: several buffers of one label in a call
+        self.clears: list = []  # (buffer, bytes) zeroed before the pass (pooled buffers hold old results)
         self.records: list = []
         self.calls: list = []  # (pipeline, bind group layout, resources after params, gx, gy)
         self.reads: list = []  # (buffer, nbytes, callback)
 
-    def data(self, arr: np.ndarray, label: str):
+    def _slot(self, label: str) -> int:
+        n = self.slots.get(label, 0)
+        self.slots[label] = n + 1
+        return n
 
-        arr = np.ascontiguousarray(arr)
-        raw = arr.reshape(-1).view(np.uint8)
-        if raw.nbytes < 16 or raw.nbytes % 4:
-            raw = np.concatenate([raw, np.zeros(max(16 - raw.nbytes, (-raw.nbytes) % 4), np.uint8)])
-        b = self.dev.create_buffer_with_data(data=raw, usage=BufferUsage.STORAGE, label=label)
-        self.owned.append(b)
-        return b
+    def data(self, arr: np.ndarray, label: str):
+        """A storage buffer holding ``arr``."""
+        return self.bufs.upload(arr, BufferUsage.STORAGE, f"index_branch.{label}", self._slot(label))
 
     def output(self, nbytes: int, label: str):
-        """A zero-initialised storage buffer (WebGPU zero-fills new buffers) read back at the end."""
-
-        size = max(16, nbytes + (-nbytes) % 4)
-        b = self.dev.create_buffer(size=size, usage=BufferUsage.STORAGE | BufferUsage.COPY_SRC,
-                                   label=label)
-        self.owned.append(b)
+        """A storage buffer of ``nbytes`` zeroed at the start of the submission, read back at the end."""
+        need = max(16, nbytes + (-nbytes) % 4)
+        b = self.bufs.get(need, BufferUsage.STORAGE | BufferUsage.COPY_SRC | BufferUsage.COPY_DST,
+                          f"index_branch.{label}", self._slot(label))
+        self.clears.append((b, need))
         return b
 
     def dispatch(self, pipe, bgl, resources: list, record: np.ndarray, gx: int, gy: int) -> None:
@@ -219,42 +234,48 @@ class _Run:
         self.calls.append((pipe, bgl, resources, gx, gy))
 
     def read(self, buf, nbytes: int, sink) -> None:
+        """Read ``nbytes`` of ``buf`` back after the submission: ``sink`` gets them as a uint8 view
+        of the mapped memory, valid during the call only (it must copy what it keeps)."""
         self.reads.append((buf, nbytes, sink))
 
     def submit(self) -> None:
 
         dev, align = self.dev, self.ctx.uniform_align
         enc = dev.create_command_encoder(label="paged_sparse_attn.index_branch")
+        for b, n in self.clears:
+            enc.clear_buffer(b, 0, n)
         if self.calls:
             params = np.zeros((len(self.records), align // 4), dtype=np.uint32)
             for i, r in enumerate(self.records):
                 params[i, :r.shape[0]] = r
-            pbuf = dev.create_buffer_with_data(data=params, usage=BufferUsage.UNIFORM, label="params")
-            self.owned.append(pbuf)
+            pbuf = self.bufs.upload(params, BufferUsage.UNIFORM, "index_branch.params")
             cp = enc.begin_compute_pass()
             for i, (pipe, bgl, res, gx, gy) in enumerate(self.calls):
-                entries = [{"binding": 0, "resource": {"buffer": pbuf, "offset": i * align, "size": PARAM_BYTES}}]
-                entries += [{"binding": j + 1, "resource": {"buffer": b}} for j, b in enumerate(res)]
+                resources = [{"buffer": pbuf, "offset": i * align, "size": PARAM_BYTES}]
+                resources += [{"buffer": b} for b in res]
                 cp.set_pipeline(pipe)
-                cp.set_bind_group(0, dev.create_bind_group(layout=bgl, entries=entries))
+                cp.set_bind_group(0, bind_group(self.ctx, bgl, resources, self.cache_bg))
                 cp.dispatch_workgroups(gx, gy, 1)
             cp.end()
-        staging = []
-        for buf, nbytes, sink in self.reads:
-            if nbytes == 0:
-                continue
-            rb = dev.create_buffer(size=max(16, nbytes), usage=BufferUsage.MAP_READ | BufferUsage.COPY_DST,
-                                   label="readback")
-            self.owned.append(rb)
-            enc.copy_buffer_to_buffer(buf, 0, rb, 0, nbytes)
-            staging.append((rb, nbytes, sink))
+        reads = [(buf, n, sink) for buf, n, sink in self.reads if n]
+        total = sum(n + (-n) % 4 for _, n, _ in reads)
+        rb = None
+        if reads:
+            rb = self.bufs.get(total, BufferUsage.MAP_READ | BufferUsage.COPY_DST, "index_branch.readback")
+            off = 0
+            for buf, n, _ in reads:
+                enc.copy_buffer_to_buffer(buf, 0, rb, off, n + (-n) % 4)
+                off += n + (-n) % 4
         dev.queue.submit([enc.finish()])
-        for rb, nbytes, sink in staging:
-            rb.map_sync(MapMode.READ)
-            sink(np.frombuffer(rb.read_mapped(0, nbytes), dtype=np.uint8).copy())
-            rb.unmap()
+        if rb is not None:
+            raw = np.frombuffer(self.bufs.map_read(rb, total), dtype=np.uint8)
+            off = 0
+            for _, n, sink in reads:
+                sink(raw[off:off + n])
+                off += n + (-n) % 4
 
     def close(self) -> None:
+        self.bufs.close()
         destroy_all(self.owned)
         self.owned = []
 
@@ -458,7 +479,7 @@ class IndexBranchMixin:
         out = np.full((Tq, Hkv, msb), -np.inf, dtype=np.float32)
         iq = np.zeros((Tq, Hkv, DV * 4), dtype=np.float32)
         iq[:, :, :d] = p.index_q
-        run = _Run(ctx)
+        run = _Run(ctx, self._max_bytes is None, cache_bind_groups=resident)
         sizes = dict(Tq=Tq, Hkv=Hkv, msb=msb, d_idx=d, chunks=nch)
         try:
             with device_errors("wgpu block_scores", **sizes):
@@ -520,7 +541,7 @@ class IndexBranchMixin:
         res = np.empty((Tq, Hkv * k_out), dtype=np.int32)
         step = max(1, ctx.binding_size // per_q)
         maxdim = ctx.workgroups_per_dim
-        run = _Run(ctx)
+        run = _Run(ctx, self._max_bytes is None, cache_bind_groups=True)
         try:
             with device_errors("wgpu select_topk", Tq=Tq, Hkv=Hkv, msb=msb, topk=k):
                 for ta in range(0, Tq, step):
