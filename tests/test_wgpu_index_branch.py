@@ -370,3 +370,27 @@ def test_R22_wgpu_decode_scores_key_groups_nan_inf_and_chunks(WgpuBackend, be_sp
     assert np.array_equal(np.isneginf(got), np.isneginf(want))
     assert_scores_close(got, want, bound)
     np.testing.assert_array_equal(_scores(c, be_split, False), got)
+
+
+@pytest.mark.parametrize("timestamps", [False, True])
+def test_R25_wgpu_planned_decode_layer_equals_sparse_attention(WgpuBackend, timestamps):
+    """A planned decode layer (block scores, top-k and attention in one submission: one compute
+    pass, or a pass per stage when timed) gives the bits of sparse_attention's own path."""
+    c = make_case(41, B=5, S=2, ppb=2, msb=6, Hkv=2, G=2, d=16, T=[1, 1, 0, 1, 1], lens=[24, 7, 9, 17, 1],
+                  holes=0.1)
+    be = WgpuBackend(required_limits="default", timestamps=timestamps)
+    kd, vd = be.upload_kv_cache(c["k_cache"], c["v_cache"])
+    ikd = be.upload_index_cache(c["index_k_cache"])
+    plan = psa.plan_attention(c["block_tables"], c["cu_seqlens_q"], c["used_kv_lens"], block_size=c["block_size"],
+                              page_size=2, num_q_heads=4, num_kv_heads=2, head_dim=8, kv_dtype=np.float32, topk=3,
+                              causal=True, index_dim=16, num_index_heads=1, backend=be)
+    try:
+        got = plan.run_sparse(c["q"], kd, vd, c["index_q"], ikd, return_lse=True)
+        again = plan.run_sparse(be.asarray(c["q"]), kd, vd, be.asarray(c["index_q"]), ikd)
+        want = sparse_attention(*attn_args(c), used_kv_lens=c["used_kv_lens"], block_size=c["block_size"], topk=3,
+                                return_lse=True, backend=be)
+        assert _decode_score_kernels(be) == {"psa_block_scores_decode_sg.wgsl"}
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got, want))
+        assert np.array_equal(again.numpy(), got[0], equal_nan=True)
+    finally:
+        plan.close()

@@ -340,7 +340,7 @@ class DeviceRuntime:
         elif nbytes:
             self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
 
-    def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None) -> None:
+    def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None) -> None:
         bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
         if q is not None and isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
             raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
@@ -354,8 +354,10 @@ class DeviceRuntime:
                 bg_edges = self._cached(("slots", sb.uid), lambda: self._bg(
                     self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
                         sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
-            self._encode_direct(enc, qb, k, v, bg_edges)  # (its grid: one invocation per slot)
+            self._encode_direct(enc, qb, k, v, bg_edges, cp)  # (its grid: one invocation per slot)
             return
+        if cp is not None:
+            cp.end()  # the inversion clears buffers first: outside a pass
         if q is not None:
             self._stage(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
         if sel is not None:
@@ -411,11 +413,14 @@ class DeviceRuntime:
             layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
                                             for j, b in enumerate((params, qb, kb, vb, self.plan, self.po, self.pml))]))
 
-    def _encode_direct(self, enc, qb, k, v, bg_slots) -> None:
+    def _encode_direct(self, enc, qb, k, v, bg_slots, cp=None) -> None:
         """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): three
-        dispatches of fixed sizes in one pass (two when timed, to time them apart)."""
-        enc.clear_buffer(self.args, 48, 16)
-        cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
+        dispatches of fixed sizes in one pass (two when timed, to time them apart). ``cp``: an
+        open untimed pass to continue (the index branch's, whose encoder cleared the error
+        words before it began), else a pass of its own."""
+        if cp is None:
+            enc.clear_buffer(self.args, 48, 16)
+            cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
         if self._ts(0) is not None:
             cp.end()
@@ -681,11 +686,18 @@ class DeviceRuntime:
             iq[:, :, :L.index_dim] = index_q
             self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
         enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
+        timed = self._ts(2) is not None
+        if self.decode and not timed:
+            enc.clear_buffer(self.args, 48, 16)  # (the attention's error words: its pass is this one)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(2))
         for i, (pipe, bgroup, grid) in enumerate(sp.calls):  # block scores, then the top-k into the selection
             if i == sp.n_score_calls and self._ts(3) is not None:  # timed: the top-k in a pass of its own
                 cp.end()
                 cp = enc.begin_compute_pass(timestamp_writes=self._ts(3))
             self._dispatch(cp, pipe, bgroup, grid)
-        cp.end()
-        self._encode(enc, q, k, v, None, groups=sp.groups)
+        if timed:
+            cp.end()
+            cp = None
+        # untimed decode: the attention's dispatches continue the same pass (dispatches of a pass
+        # run in order); otherwise _encode ends it and begins its own after its clears
+        self._encode(enc, q, k, v, None, groups=sp.groups, cp=cp)
