@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import numpy as np
+import pytest
 
 import paged_sparse_attn as psa
 
@@ -77,3 +78,30 @@ def test_R32_forward_sees_lengths_and_pages_changed_in_place(WgpuBackend):
     np.testing.assert_array_equal(second, ref(c["bt"].copy(), lens.copy()))
     np.testing.assert_array_equal(third, ref(bt.copy(), lens.copy()))
     assert not np.array_equal(first, second) and not np.array_equal(second, third)
+
+
+@pytest.mark.parametrize("B", [3, 4])  # out of 384 bytes (results copied in) or 512 (combined straight in)
+def test_R32_device_results_written_in_place_or_copied_equal_host_results(WgpuBackend, B):
+    """A device call's combine writes out and (m, l) into the result buffer itself when (m, l)
+    starts at a 256-byte boundary, else they are copied there: either way every layer's out and
+    lse equal the host call's, and results still held are never overwritten by later layers."""
+    be = WgpuBackend()
+    c = _decode(2, B=B)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = psa.plan_attention(c["bt"], c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
+                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
+                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    sd = be.asarray(c["sel"])
+    held = [plan.run(be.asarray(q), kd, vd, sd, return_lse=True) for q in c["qs"]]
+    for i in (0, 3):  # results dropped and their buffers recycled by the next layers
+        held[i] = None
+    gc.collect()
+    more = [plan.run(be.asarray(q), kd, vd, sd, return_lse=True) for q in c["qs"][:3]]
+    for q, res in list(zip(c["qs"], held)) + list(zip(c["qs"][:3], more)):
+        if res is None:
+            continue
+        want_o, want_lse = plan.run(q, kd, vd, c["sel"], return_lse=True)
+        np.testing.assert_array_equal(res[0].numpy(), want_o)
+        np.testing.assert_array_equal(res[1].numpy(), want_lse)
+    plan.close()
+    be.close()

@@ -229,6 +229,7 @@ class DeviceRuntime:
         self.bg_scan2 = bg(bgl_scan, [ub(R_SCAN2, 32), {"buffer": self.work}, {"buffer": self.scan}])
         self.bg_merge = bg(self.p_merge[1], [ub(R_MERGE, 32)] + [{"buffer": b} for b in (
             self.po, self.pml, self.merge, self.out, self.oml)])
+        self._ub_merge = ub(R_MERGE, 32)
         self.bg_part: dict = {}
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
         self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
@@ -340,7 +341,7 @@ class DeviceRuntime:
         elif nbytes:
             self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
 
-    def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None) -> None:
+    def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None) -> None:
         bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
         if q is not None and isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
             raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
@@ -354,7 +355,7 @@ class DeviceRuntime:
                 bg_edges = self._cached(("slots", sb.uid), lambda: self._bg(
                     self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
                         sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
-            self._encode_direct(enc, qb, k, v, bg_edges, cp)  # (its grid: one invocation per slot)
+            self._encode_direct(enc, qb, k, v, bg_edges, cp, bg_merge)  # (its grid: one invocation per slot)
             return
         if cp is not None:
             cp.end()  # the inversion clears buffers first: outside a pass
@@ -383,8 +384,19 @@ class DeviceRuntime:
         cp.set_pipeline(self.p_part[0])
         cp.set_bind_group(0, self._partials_group(self.q, k, v, self.pparams))
         cp.dispatch_workgroups_indirect(self.args, 0)
-        self._dispatch(cp, self.p_merge[0], self.bg_merge, self.grids["merge"])
+        self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
         cp.end()
+
+    def _merge_into(self, res):
+        """The combine's bind group writing ``out`` and ``(m, l)`` straight into the result buffer
+        ``res`` (two ranges of it: no copies after the pass), or None when ``(m, l)`` would not
+        start at a storage offset every device accepts (256 bytes)."""
+        if self.o_bytes % 256:
+            return None
+        return self._cached(("merge", res.uid), lambda: self._bg(self.p_merge[1], [self._ub_merge] + [
+            {"buffer": b} for b in (self.po, self.pml, self.merge)] + [
+            {"buffer": res, "offset": 0, "size": self.o_bytes},
+            {"buffer": res, "offset": self.o_bytes, "size": self.ml_bytes}]))
 
     def _bound(self, enc, x, plan_buf, nbytes: int, dtype):
         """The buffer a kernel binds for a layer's tensor: a device array's own (when it starts at
@@ -413,7 +425,7 @@ class DeviceRuntime:
             layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
                                             for j, b in enumerate((params, qb, kb, vb, self.plan, self.po, self.pml))]))
 
-    def _encode_direct(self, enc, qb, k, v, bg_slots, cp=None) -> None:
+    def _encode_direct(self, enc, qb, k, v, bg_slots, cp=None, bg_merge=None) -> None:
         """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): three
         dispatches of fixed sizes in one pass (two when timed, to time them apart). ``cp``: an
         open untimed pass to continue (the index branch's, whose encoder cleared the error
@@ -426,7 +438,7 @@ class DeviceRuntime:
             cp.end()
             cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
         self._dispatch(cp, self.p_part[0], self._partials_group(qb, k, v, self.pparams_direct), self.direct_grid)
-        self._dispatch(cp, self.p_merge[0], self.bg_merge, self.grids["merge"])
+        self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
         cp.end()
 
     @staticmethod
@@ -490,18 +502,18 @@ class DeviceRuntime:
         timed = self._timing_setup()
         with device_errors(f"{fn} ({self.geometry['kernel']} kernel)", Tq=self.Tq, edges=self.emax):
             enc = dev.create_command_encoder(label="paged_sparse_attn.layer")
+            # a device call's results: the combine writes them into the result buffer itself
+            res_buf = self._result_buffer() if device_out else None
+            bg_merge = self._merge_into(res_buf) if device_out else None
             if sparse is None:
-                self._encode(enc, q, k, v, sel)
+                self._encode(enc, q, k, v, sel, bg_merge=bg_merge)
             else:
-                self._encode_sparse(enc, q, k, v, *sparse)
-            if device_out:
-                res_buf = self._result_buffer()
-                dst, off = res_buf, 0
-            else:
-                dst, off = self.rb, 0
-            enc.copy_buffer_to_buffer(self.out, 0, dst, off, self.o_bytes)
-            enc.copy_buffer_to_buffer(self.oml, 0, dst, off + self.o_bytes, self.ml_bytes)
-            enc.copy_buffer_to_buffer(self.args, 48, dst, off + self.o_bytes + self.ml_bytes, 8)
+                self._encode_sparse(enc, q, k, v, *sparse, bg_merge=bg_merge)
+            dst = res_buf if device_out else self.rb
+            if bg_merge is None:
+                enc.copy_buffer_to_buffer(self.out, 0, dst, 0, self.o_bytes)
+                enc.copy_buffer_to_buffer(self.oml, 0, dst, self.o_bytes, self.ml_bytes)
+            enc.copy_buffer_to_buffer(self.args, 48, dst, self.o_bytes + self.ml_bytes, 8)
             if timed:
                 self._timings(enc, sparse is not None)
             t1 = time.perf_counter()
@@ -677,7 +689,7 @@ class DeviceRuntime:
         self.sparse = sp
         return sp
 
-    def _encode_sparse(self, enc, q, k, v, sp, index_q, ik) -> None:
+    def _encode_sparse(self, enc, q, k, v, sp, index_q, ik, bg_merge=None) -> None:
         L = self.layout
         if isinstance(index_q, DeviceArray):
             enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
@@ -700,4 +712,4 @@ class DeviceRuntime:
             cp = None
         # untimed decode: the attention's dispatches continue the same pass (dispatches of a pass
         # run in order); otherwise _encode ends it and begins its own after its clears
-        self._encode(enc, q, k, v, None, groups=sp.groups, cp=cp)
+        self._encode(enc, q, k, v, None, groups=sp.groups, cp=cp, bg_merge=bg_merge)
