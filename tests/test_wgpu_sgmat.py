@@ -124,3 +124,53 @@ def test_pipelines_with_the_hosts_constants_pass_tint_up_to_the_workgroup_memory
 def test_batch_invariance_cannot_be_combined_with_the_sgmat_kernel(WgpuBackend):
     with pytest.raises(ValueError, match="batch_invariant=True runs the generic partials kernel.*'sgmat'"):
         WgpuBackend(required_limits="default", partials_kernel="sgmat", batch_invariant=True)
+
+
+# --- the variant psa_partials_sgmat2.wgsl (K and V straight from storage), chosen only when asked ---
+
+SHADER2 = SHADER.with_name("psa_partials_sgmat2.wgsl")
+
+
+def test_the_variant_is_not_the_default_and_is_chosen_only_when_asked(monkeypatch):
+    assert _sgmat.VARIANT == _sgmat.SGMAT and _sgmat.VARIANT_WG is None
+    kw = dict(D=128, S=64, G=8, block_size=128, rows_needed=32, kv_itemsize=2)
+    assert _sgmat.choose_sgmat_geometry(_ctx(), **kw).kernel == _sgmat.SGMAT
+    monkeypatch.setattr(_sgmat, "VARIANT", _sgmat.SGMAT2)
+    g = _sgmat.choose_sgmat_geometry(_ctx(), **kw)
+    assert (g.kernel, g.RMAX, g.BK, g.WG) == (_sgmat.SGMAT2, 32, 128, 128)
+    assert g.workgroup_bytes == _sgmat.sgmat2_workgroup_bytes(32, 128, 128) < 48 * 1024
+    monkeypatch.setattr(_sgmat, "VARIANT_WG", 64)
+    assert _sgmat.choose_sgmat_geometry(_ctx(), **kw).WG == 64
+    # pages of 8 positions: a 16-position group would span pages; the staged kernel runs
+    assert _sgmat.choose_sgmat_geometry(_ctx(), **dict(kw, S=8)).kernel == _sgmat.SGMAT
+
+
+def test_variant_capacities_and_workgroup_variables_match_the_host():
+    src = SHADER2.read_text()
+    for name in ("HCAP2", "SCAP", "CCAP"):
+        m = re.search(rf"const {name}: u32 = (\d+)u;", src)
+        assert m and int(m.group(1)) == getattr(_sgmat, name), name
+    assert not re.search(r"^\s*enable ", src, re.MULTILINE)
+    # no scalar workgroup variable (scalars adding up to 12 bytes shifted matrix accesses on the H200)
+    assert not re.search(r"var<workgroup>\s+\w+\s*:\s*(u32|i32|f32|f16|atomic<u32>)\s*;", src)
+    row = KERNEL_TABLE["psa_partials_sgmat2.wgsl"]
+    assert row.sgmat and row.bindings == KERNEL_TABLE["psa_partials.wgsl"].bindings
+
+
+@pytest.mark.parametrize("D, S, block_size, rows, wg", [(128, 64, 128, 32, None), (128, 64, 128, 32, 64),
+                                                        (64, 16, 64, 8, None), (16, 16, 32, 240, None),
+                                                        (32, 32, 64, 8, None)])
+def test_variant_pipelines_pass_tint_up_to_the_workgroup_memory_it_counts(D, S, block_size, rows, wg, tint_device,
+                                                                          monkeypatch):
+    from paged_sparse_attn.backends.wgpu._kernels import kernel_source
+
+    monkeypatch.setattr(_sgmat, "VARIANT", _sgmat.SGMAT2)
+    monkeypatch.setattr(_sgmat, "VARIANT_WG", wg)
+    g = _sgmat.choose_sgmat_geometry(_ctx(), D=D, S=S, G=8, block_size=block_size, rows_needed=rows, kv_itemsize=2)
+    assert g.kernel == _sgmat.SGMAT2
+    device, ctx = tint_device
+    module = device.create_shader_module(code=kernel_source(ctx, _sgmat.SGMAT2), label="sgmat2")
+    for rh in (1, 4):  # HND and NHD (R34)
+        with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
+            device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                                   "constants": {**g.constants(), "RH": rh}})
