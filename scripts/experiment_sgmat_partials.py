@@ -6,7 +6,11 @@ Variants (the host default stays ``psa_partials_sgmat.wgsl``; this script flips
 - ``sgmat``: ``psa_partials_sgmat.wgsl`` as the host picks it (K/V tiles staged in workgroup memory);
 - ``sgmat2-wg128`` / ``sgmat2-wg64``: ``psa_partials_sgmat2.wgsl`` (K and V loaded as subgroup
   matrices straight from storage, the whole block's scores and P at once, no barrier between
-  tiles) with 4 or 2 subgroups per workgroup.
+  tiles) with 4 or 2 subgroups per workgroup (32-row items with 4, 16-row items with 2: 41 KB
+  and 39 KB of workgroup memory, one workgroup per SM);
+- ``sgmat2r16-wg128`` / ``sgmat2r16-wg64``: the same kernel with capacities for 16-row items
+  (``psa_partials_sgmat2_r16.wgsl``, 23 KB: two workgroups per SM; twice the work items, each
+  block's K/V read by two).
 
 For each variant, the small adversarial problems of ``check_sgmat_partials.py`` (its functions:
 R20 bounds against the float64 reference, NaN / +-inf where the reference has them and equal to
@@ -46,6 +50,8 @@ VARIANTS = {
     "sgmat": (_sgmat.SGMAT, None),
     "sgmat2-wg128": (_sgmat.SGMAT2, 128),
     "sgmat2-wg64": (_sgmat.SGMAT2, 64),
+    "sgmat2r16-wg128": (_sgmat.SGMAT2_R16, 128),
+    "sgmat2r16-wg64": (_sgmat.SGMAT2_R16, 64),
 }
 
 

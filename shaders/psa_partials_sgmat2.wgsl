@@ -14,9 +14,11 @@
 //     (s = (S' 2^-e) * scale) or, where S' is not finite or the item's queries are not (FMA
 //     flag), recomputes the score with f32 FMAs from the f32 query and the f16 key in storage
 //     (dims ascending, as psa_partials.wgsl). With finite operands no S' overflows (|hi|, |lo| <
-//     2^15, |k| <= 65504, D <= 256 terms: < 2^41), so a non-finite S' means the key holds NaN or
-//     +-inf (IEEE products on the tensor cores: x * inf = +-inf, 0 * inf = NaN, NaN propagates,
-//     as psa_block_scores_sgmat.wgsl relies on).
+//     2^15, |k| <= 65504, D <= 256 terms: < 2^41). Each subgroup also accumulates KCHK = 1 K^T
+//     over its tiles (a left matrix of ones: sums of finite float16 keys stay < 2^31, finite), so
+//     a non-finite KCHK entry means a loaded key holds NaN or +-inf (or a position past max_len
+//     in a loaded page does): then every score of the item comes from FMAs (exact IEEE special
+//     values, as the FMA kernel; no reliance on 0 * inf on the tensor cores).
 //   - Step 3 splits all of P (hi / lo, [row][position], stride PSTR = BK + 8) into the query
 //     area once, then runs O += P V over every group without a barrier. Each subgroup also
 //     accumulates CHK = 1 * V over its column blocks and groups (a left matrix of ones: a column
@@ -27,8 +29,11 @@
 //     kernel puts them and masked / removed positions never reach a row: R10, R12, R26).
 //   - Workgroup memory (bytes): 2 * HCAP2 + 4 * SCAP + 4 * CCAP + 4 * BK + 6 * 4 * RMAX
 //     + 3 * 4 * WG + 16 (_sgmat.sgmat2_workgroup_bytes): 41232 for D = 128, RMAX = 32, BK = 128,
-//     WG = 128 (one workgroup per SM where pipelines get 64 KiB, as psa_partials_sgmat.wgsl). The host checks 2 * RMAX * max(HS, PSTR) <= HCAP2,
-//     RMAX * SB <= SCAP, NSG <= 4 (CCAP = 4 * 256).
+//     WG = 128 (one workgroup per SM where pipelines get 64 KiB, as psa_partials_sgmat.wgsl).
+//     The host checks 2 * RMAX * max(HS, PSTR) <= HCAP2, RMAX * SB <= SCAP, NSG <= CCAP / 256.
+//   - psa_partials_sgmat2_r16.wgsl is this file with the capacities of the block below cut to
+//     RMAX = 16, D <= 128, BK <= 128 (22928 bytes with WG = 128: two workgroups per SM); a test
+//     holds the two files equal outside that block.
 //
 // Determinism (R19): every sum's order is fixed by the constants.
 //
@@ -78,9 +83,11 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
 // constant capacities (the builtins take no override-sized array); the host checks them
+// -- capacities --
 const HCAP2: u32 = 8704u;  // f16: Q hi at 0, Q lo at RMAX * HS (step 1); P hi at 0, P lo at RMAX * PSTR (step 3)
 const SCAP: u32 = 4224u;   // f32: scores, then p, then o ([row][position or d], stride SB)
 const CCAP: u32 = 1024u;   // f32: each subgroup's 16x16 CHK
+// -- end of capacities --
 override PLO: u32 = RMAX * PSTR;
 override QLO: u32 = RMAX * HS;
 // Every workgroup variable is a whole number of 16-byte units (Dawn on NVIDIA misplaced matrix
@@ -98,7 +105,7 @@ var<workgroup> row_qmax: array<atomic<u32>, RMAX>;
 var<workgroup> red_m: array<f32, WG>;
 var<workgroup> red_f: array<u32, WG>;
 var<workgroup> red_l: array<f32, WG>;
-var<workgroup> flags: array<u32, 4>;              // [0]: a query of the item is not finite; [1]: a loaded V value is not
+var<workgroup> flags: array<u32, 4>;  // 1 where the item has: [0] a non-finite query, [1] a non-finite V value loaded, [2] a K one
 
 const NEG_INF_BITS: u32 = 0xff800000u;
 const REMOVED: f32 = -1.0;
@@ -240,6 +247,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (tid == 0u) {
         flags[0] = 0u;
         flags[1] = 0u;
+        flags[2] = 0u;
     }
     workgroupBarrier();
 
@@ -284,6 +292,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     workgroupBarrier();
 
     // 1. S' of every (row block, group) tile, K straight from storage; no barrier between tiles.
+    //    CHK = 1 K^T (key sums over the dims, <= 2^24 for finite float16 keys) finds a NaN or
+    //    +-inf key without relying on 0 * inf on the tensor cores: the item's scores are then FMAs.
+    let ones = subgroup_matrix_left<f16, 16, 16>(f16(1.0));
+    var kchk: subgroup_matrix_result<f32, 16, 16>;
     if (item_fma == 0u) {
         for (var t = sg; t < NRB * ng16; t += NSG) {
             let tr = t % NRB;
@@ -299,11 +311,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, QLO + tr * 16u * HS + d0, HS);
                 acc = subgroupMatrixMultiplyAccumulate(ah, b, acc);
                 acc = subgroupMatrixMultiplyAccumulate(al, b, acc);
+                kchk = subgroupMatrixMultiplyAccumulate(ones, b, kchk);
             }
             subgroupMatrixStore<row_major>(&sbuf, tr * 16u * SB + tg * 16u, acc, SB);
         }
     }
+    subgroupMatrixStore<row_major>(&cbuf, sg * 256u, kchk, 16u);
     workgroupBarrier();
+    var kbad = false;
+    for (var x = tid; x < NSG * 256u; x += WG) {
+        kbad = kbad || !is_finite(cbuf[x]);
+    }
+    if (kbad) {
+        flags[2] = 1u;
+    }
+    let item_kbad = workgroupUniformLoad(&flags[2]);  // (also the barrier after S')
     // scale back, or FMAs where S' is not finite (a non-finite key) or the queries are not
     for (var x = tid; x < RMAX * max_len; x += WG) {
         let r = x / max_len;
@@ -312,7 +334,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         var s = 0.0;
         if (r < n_rows && key_src[k] != INVALID) {
             let sp = sbuf[i];
-            if (item_fma != 0u || !is_finite(sp)) {
+            if (item_fma != 0u || item_kbad != 0u || !is_finite(sp)) {
                 s = fma_score(r, k);
             } else {
                 s = (sp * row_down[r]) * params.scale;
@@ -396,7 +418,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var acc6: subgroup_matrix_result<f32, 16, 16>;
     var acc7: subgroup_matrix_result<f32, 16, 16>;
     var chk: subgroup_matrix_result<f32, 16, 16>;
-    let ones = subgroup_matrix_left<f16, 16, 16>(f16(1.0));
     for (var g = 0u; g < ng16; g++) {
         let vb = key_src[g * 16u];
         if (vb == INVALID) {

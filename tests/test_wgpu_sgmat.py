@@ -145,31 +145,45 @@ def test_the_variant_is_not_the_default_and_is_chosen_only_when_asked(monkeypatc
     assert _sgmat.choose_sgmat_geometry(_ctx(), **dict(kw, S=8)).kernel == _sgmat.SGMAT
 
 
-def test_variant_capacities_and_workgroup_variables_match_the_host():
-    src = SHADER2.read_text()
-    for name in ("HCAP2", "SCAP", "CCAP"):
+@pytest.mark.parametrize("kernel", [_sgmat.SGMAT2, _sgmat.SGMAT2_R16])
+def test_variant_capacities_and_workgroup_variables_match_the_host(kernel):
+    src = SHADER.with_name(kernel).read_text()
+    for name, cap in zip(("HCAP2", "SCAP", "CCAP"), _sgmat.VARIANT_CAPS[kernel]):
         m = re.search(rf"const {name}: u32 = (\d+)u;", src)
-        assert m and int(m.group(1)) == getattr(_sgmat, name), name
+        assert m and int(m.group(1)) == cap, name
     assert not re.search(r"^\s*enable ", src, re.MULTILINE)
     # no scalar workgroup variable (scalars adding up to 12 bytes shifted matrix accesses on the H200)
     assert not re.search(r"var<workgroup>\s+\w+\s*:\s*(u32|i32|f32|f16|atomic<u32>)\s*;", src)
-    row = KERNEL_TABLE["psa_partials_sgmat2.wgsl"]
+    row = KERNEL_TABLE[kernel]
     assert row.sgmat and row.bindings == KERNEL_TABLE["psa_partials.wgsl"].bindings
+
+
+def test_the_16_row_variant_is_the_same_kernel_with_smaller_capacities():
+    def body(name):
+        src = SHADER.with_name(name).read_text()
+        a, b = src.index("// -- capacities --"), src.index("// -- end of capacities --")
+        return src[src.index("\n") + 1:a] + src[b:]  # (its first line names the file)
+
+    assert body(_sgmat.SGMAT2) == body(_sgmat.SGMAT2_R16)
+    assert _sgmat.sgmat2_workgroup_bytes(16, 128, 128, _sgmat.SGMAT2_R16) <= 32 * 1024  # two per 64 KiB
 
 
 @pytest.mark.parametrize("D, S, block_size, rows, wg", [(128, 64, 128, 32, None), (128, 64, 128, 32, 64),
                                                         (64, 16, 64, 8, None), (16, 16, 32, 240, None),
                                                         (32, 32, 64, 8, None)])
-def test_variant_pipelines_pass_tint_up_to_the_workgroup_memory_it_counts(D, S, block_size, rows, wg, tint_device,
-                                                                          monkeypatch):
+@pytest.mark.parametrize("kernel", [_sgmat.SGMAT2, _sgmat.SGMAT2_R16])
+def test_variant_pipelines_pass_tint_up_to_the_workgroup_memory_it_counts(D, S, block_size, rows, wg, kernel,
+                                                                          tint_device, monkeypatch):
     from paged_sparse_attn.backends.wgpu._kernels import kernel_source
 
-    monkeypatch.setattr(_sgmat, "VARIANT", _sgmat.SGMAT2)
+    monkeypatch.setattr(_sgmat, "VARIANT", kernel)
     monkeypatch.setattr(_sgmat, "VARIANT_WG", wg)
     g = _sgmat.choose_sgmat_geometry(_ctx(), D=D, S=S, G=8, block_size=block_size, rows_needed=rows, kv_itemsize=2)
-    assert g.kernel == _sgmat.SGMAT2
+    assert g.kernel == kernel
+    if kernel == _sgmat.SGMAT2_R16 and D == 128:
+        assert g.RMAX == 16  # (32 rows of 128 dims do not fit its capacities)
     device, ctx = tint_device
-    module = device.create_shader_module(code=kernel_source(ctx, _sgmat.SGMAT2), label="sgmat2")
+    module = device.create_shader_module(code=kernel_source(ctx, kernel), label=kernel)
     for rh in (1, 4):  # HND and NHD (R34)
         with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
             device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
