@@ -124,3 +124,67 @@ def test_pipelines_with_the_hosts_constants_pass_tint_up_to_the_workgroup_memory
 def test_batch_invariance_cannot_be_combined_with_the_sgmat_kernel(WgpuBackend):
     with pytest.raises(ValueError, match="batch_invariant=True runs the generic partials kernel.*'sgmat'"):
         WgpuBackend(required_limits="default", partials_kernel="sgmat", batch_invariant=True)
+
+
+# --- the variant psa_partials_sgmat2.wgsl (K and V straight from storage), chosen only when asked ---
+
+SHADER2 = SHADER.with_name("psa_partials_sgmat2.wgsl")
+
+
+def test_the_variant_is_not_the_default_and_is_chosen_only_when_asked(monkeypatch):
+    assert _sgmat.VARIANT == _sgmat.SGMAT and _sgmat.VARIANT_WG is None
+    kw = dict(D=128, S=64, G=8, block_size=128, rows_needed=32, kv_itemsize=2)
+    assert _sgmat.choose_sgmat_geometry(_ctx(), **kw).kernel == _sgmat.SGMAT
+    monkeypatch.setattr(_sgmat, "VARIANT", _sgmat.SGMAT2)
+    g = _sgmat.choose_sgmat_geometry(_ctx(), **kw)
+    assert (g.kernel, g.RMAX, g.BK, g.WG) == (_sgmat.SGMAT2, 32, 128, 128)
+    assert g.workgroup_bytes == _sgmat.sgmat2_workgroup_bytes(32, 128, 128) < 48 * 1024
+    monkeypatch.setattr(_sgmat, "VARIANT_WG", 64)
+    assert _sgmat.choose_sgmat_geometry(_ctx(), **kw).WG == 64
+    # pages of 8 positions: a 16-position group would span pages; the staged kernel runs
+    assert _sgmat.choose_sgmat_geometry(_ctx(), **dict(kw, S=8)).kernel == _sgmat.SGMAT
+
+
+@pytest.mark.parametrize("kernel", [_sgmat.SGMAT2, _sgmat.SGMAT2_R16])
+def test_variant_capacities_and_workgroup_variables_match_the_host(kernel):
+    src = SHADER.with_name(kernel).read_text()
+    for name, cap in zip(("HCAP2", "SCAP", "CCAP"), _sgmat.VARIANT_CAPS[kernel]):
+        m = re.search(rf"const {name}: u32 = (\d+)u;", src)
+        assert m and int(m.group(1)) == cap, name
+    assert not re.search(r"^\s*enable ", src, re.MULTILINE)
+    # no scalar workgroup variable (scalars adding up to 12 bytes shifted matrix accesses on the H200)
+    assert not re.search(r"var<workgroup>\s+\w+\s*:\s*(u32|i32|f32|f16|atomic<u32>)\s*;", src)
+    row = KERNEL_TABLE[kernel]
+    assert row.sgmat and row.bindings == KERNEL_TABLE["psa_partials.wgsl"].bindings
+
+
+def test_the_16_row_variant_is_the_same_kernel_with_smaller_capacities():
+    def body(name):
+        src = SHADER.with_name(name).read_text()
+        a, b = src.index("// -- capacities --"), src.index("// -- end of capacities --")
+        return src[src.index("\n") + 1:a] + src[b:]  # (its first line names the file)
+
+    assert body(_sgmat.SGMAT2) == body(_sgmat.SGMAT2_R16)
+    assert _sgmat.sgmat2_workgroup_bytes(16, 128, 128, _sgmat.SGMAT2_R16) <= 32 * 1024  # two per 64 KiB
+
+
+@pytest.mark.parametrize("D, S, block_size, rows, wg", [(128, 64, 128, 32, None), (128, 64, 128, 32, 64),
+                                                        (64, 16, 64, 8, None), (16, 16, 32, 240, None),
+                                                        (32, 32, 64, 8, None)])
+@pytest.mark.parametrize("kernel", [_sgmat.SGMAT2, _sgmat.SGMAT2_R16])
+def test_variant_pipelines_pass_tint_up_to_the_workgroup_memory_it_counts(D, S, block_size, rows, wg, kernel,
+                                                                          tint_device, monkeypatch):
+    from paged_sparse_attn.backends.wgpu._kernels import kernel_source
+
+    monkeypatch.setattr(_sgmat, "VARIANT", kernel)
+    monkeypatch.setattr(_sgmat, "VARIANT_WG", wg)
+    g = _sgmat.choose_sgmat_geometry(_ctx(), D=D, S=S, G=8, block_size=block_size, rows_needed=rows, kv_itemsize=2)
+    assert g.kernel == kernel
+    if kernel == _sgmat.SGMAT2_R16 and D == 128:
+        assert g.RMAX == 16  # (32 rows of 128 dims do not fit its capacities)
+    device, ctx = tint_device
+    module = device.create_shader_module(code=kernel_source(ctx, kernel), label=kernel)
+    for rh in (1, 4):  # HND and NHD (R34)
+        with pytest.raises(Exception, match=rf"workgroup storage \({g.workgroup_bytes} bytes\)"):
+            device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": "main",
+                                                                   "constants": {**g.constants(), "RH": rh}})
