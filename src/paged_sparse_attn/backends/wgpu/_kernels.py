@@ -39,8 +39,6 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_partials.wgsl": Kernel("urrrrww", f16=True, trusted=True),
     "psa_partials_decode.wgsl": Kernel("urrrrww", trusted=True, subgroups=True),  # caches as 16-byte units, any dtype
     "psa_partials_sgmat.wgsl": Kernel("urrrrww", trusted=True, sgmat=True),  # float16 caches, tensor cores
-    "psa_partials_sgmat2.wgsl": Kernel("urrrrww", trusted=True, sgmat=True),  # variant: K/V straight from storage
-    "psa_partials_sgmat2_r16.wgsl": Kernel("urrrrww", trusted=True, sgmat=True),  # the same, 16-row capacities
     "psa_merge.wgsl": Kernel("urrrww", trusted=True),
     # the KV-outer inversion on the device (R13, R31, R33)
     "psa_invert.wgsl": Kernel("urrwrwwww"),

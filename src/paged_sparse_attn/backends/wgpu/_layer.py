@@ -153,7 +153,7 @@ class DeviceRuntime:
                     f"more than one storage binding ({ctx.binding_size} bytes); plan fewer queries per batch, or "
                     "call forward() with host arrays (batched on the host) [R18]")
         gx_p = min(max_items, maxdim)
-        kname = "decode" if decode else ("sgmat" if geom.kernel_name.startswith("psa_partials_sgmat") else "generic")
+        kname = "decode" if decode else ("sgmat" if geom.kernel_name == "psa_partials_sgmat.wgsl" else "generic")
         self.geometry = dict(kernel=kname, hpi=hpi, nh=nh, epi=epi, gx=gx_p)
 
         # the layout's data and every buffer, once
