@@ -394,3 +394,28 @@ def test_R25_wgpu_planned_decode_layer_equals_sparse_attention(WgpuBackend, time
         assert np.array_equal(again.numpy(), got[0], equal_nan=True)
     finally:
         plan.close()
+
+
+def test_R22_score_keys_decode_to_the_floats_they_encode():
+    """The host's decoding of block-score keys inverts the kernels' encoding bit for bit: every
+    float32 (both zeros, subnormals, the extremes, infinities) comes back with its bits, 0 (nothing
+    visible) as -inf and 0xffffffff as NaN; a sweep of the whole key range decodes to floats whose
+    re-encoding is the key (NaN and 0 aside)."""
+    from paged_sparse_attn.backends.wgpu._index_branch import decode_score_keys
+
+    def encode(x):
+        b = np.asarray(x, np.float32).view(np.uint32)
+        return np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
+
+    rng = np.random.default_rng(5)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 1.17549435e-38, -1.17549435e-38,
+                        3.4028235e38, -3.4028235e38, 1.0, -1.0], np.float32)
+    x = np.concatenate([special, rng.standard_normal(10_000).astype(np.float32) * np.float32(1e3)])
+    got = decode_score_keys(encode(x))
+    np.testing.assert_array_equal(got.view(np.uint32), x.view(np.uint32))
+    keys = np.arange(1, 2**32 - 1, 65521, dtype=np.uint64).astype(np.uint32)
+    dec = decode_score_keys(keys)
+    finite = ~np.isnan(dec)
+    np.testing.assert_array_equal(encode(dec[finite]), keys[finite])
+    edge = decode_score_keys(np.array([0, 0xFFFFFFFF], np.uint32))
+    assert edge[0] == -np.inf and np.isnan(edge[1])

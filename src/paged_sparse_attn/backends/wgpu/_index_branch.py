@@ -169,10 +169,19 @@ NAN_KEY = 0xFFFFFFFF
 
 
 def decode_score_keys(keys: np.ndarray) -> np.ndarray:
-    """Block-score keys of ``psa_block_scores.wgsl`` -> float32 (0 -> -inf, 0xffffffff -> NaN)."""
+    """Block-score keys of ``psa_block_scores.wgsl`` -> float32 (0 -> -inf, 0xffffffff -> NaN).
+
+    A key with its top bit set is a float's bits with the sign bit set (a float >= +0), else the
+    complement of a negative float's bits: bits = key ^ 0x80000000 ^ (0x7fffffff if the top bit
+    is clear), computed in place on one new array (a prefill call decodes millions of keys).
+    """
     k = np.asarray(keys, dtype=np.uint32)
-    bits = np.where(k & np.uint32(0x80000000), k & np.uint32(0x7FFFFFFF), ~k).astype(np.uint32)
-    out = bits.view(np.float32).copy()
+    t = k >> np.uint32(31)  # 1 for keys of floats >= +0, 0 for negative ones
+    t -= np.uint32(1)  # 0, or 0xffffffff (wraps)
+    t &= np.uint32(0x7FFFFFFF)
+    t ^= k
+    t ^= np.uint32(0x80000000)
+    out = t.view(np.float32)
     out[k == 0] = -np.inf
     out[k == NAN_KEY] = np.nan
     return out
