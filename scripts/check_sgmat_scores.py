@@ -249,7 +249,7 @@ def gpu_time(be, p, repeat: int) -> tuple[float, str]:
             obuf = dev.create_buffer(size=nbytes, usage=U.STORAGE | U.COPY_DST | U.COPY_SRC)
             align = ctx.uniform_align
             recs, grids = [], []
-            for f2, cnt, gx, gy in ib.score_dispatches(items.shape[0], getattr(st, "ipw", 1), ctx.workgroups_per_dim):
+            for f2, cnt, gx, gy in ib.score_dispatches(items.shape[0], st.ipw, ctx.workgroups_per_dim):
                 recs.append(ib._record(f2, cnt, gx, Tq, Hkv, prob.msb, float(prob.softmax_scale), int(st.starts[0]),
                                        int(st.starts[1])))
                 grids.append((gx, gy))

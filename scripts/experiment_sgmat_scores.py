@@ -19,7 +19,6 @@ number of failing variants.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ from paged_sparse_attn import registry
 from paged_sparse_attn._index import query_positions
 from paged_sparse_attn.backends.wgpu import _index_branch as ib
 from paged_sparse_attn.index_branch import block_scores
-from paged_sparse_attn.index_branch._validation import validate_block_scores
 from paged_sparse_attn.index_branch.reference import block_scores_reference
 
 VARIANTS = [(1, 1), (1, 8), (2, 1), (2, 4), (2, 8), (2, 16), (4, 8), (1, 16)]
@@ -86,61 +84,7 @@ def ratio_and_patterns(got, ref, bound):
 
 def gpu_time(be, p, repeat: int) -> float:
     """Median GPU time (s) of the block-score dispatches of ``p`` (timestamps around one pass)."""
-    U = chk._usage()
-    ik = be.upload_index_cache(p["index_k_cache"])
-    try:
-        prob = validate_block_scores("block_scores", p["index_q"], ik, *chk.args_of(p)[2:],
-                                     block_size=p["block_size"], softmax_scale=None, causal=True)
-        with be._lock:
-            st = be._score_setup(prob, "block_scores")
-            ctx = be._device()
-            dev = ctx.device
-            Tq, Hkv, d = prob.index_q.shape
-            assert st.nch == 1 and st.step >= Tq, "one chunk and one query batch expected"
-            iq = np.zeros((Tq, Hkv, st.DV * 4), np.float32)
-            iq[:, :, :d] = prob.index_q
-            items = st.plan(0, Tq)[0]
-            words = np.concatenate([st.qend.astype(np.int32).view(np.uint32), items.astype(np.uint32).reshape(-1)])
-            mk = lambda a: dev.create_buffer_with_data(data=np.ascontiguousarray(a), usage=U.STORAGE)
-            qbuf, pbuf, plbuf = mk(iq), mk(st.pt), mk(words)
-            nbytes = Tq * Hkv * prob.msb * 4
-            obuf = dev.create_buffer(size=nbytes, usage=U.STORAGE | U.COPY_DST | U.COPY_SRC)
-            align = ctx.uniform_align
-            recs, grids = [], []
-            for f2, cnt, gx, gy in ib.score_dispatches(items.shape[0], getattr(st, "ipw", 1), ctx.workgroups_per_dim):
-                recs.append(ib._record(f2, cnt, gx, Tq, Hkv, prob.msb, float(prob.softmax_scale), int(st.starts[0]),
-                                       int(st.starts[1])))
-                grids.append((gx, gy))
-            params = np.zeros((len(recs), align // 4), np.uint32)
-            for i, r in enumerate(recs):
-                params[i, :r.shape[0]] = r
-            ubuf = dev.create_buffer_with_data(data=params, usage=U.UNIFORM)
-            groups = [dev.create_bind_group(layout=st.bgl, entries=[
-                {"binding": 0, "resource": {"buffer": ubuf, "offset": i * align, "size": ib.PARAM_BYTES}}] + [
-                {"binding": j + 1, "resource": {"buffer": b}}
-                for j, b in enumerate([qbuf, ik.buffers()[0], pbuf, plbuf, obuf])]) for i in range(len(recs))]
-            qs = dev.create_query_set(type="timestamp", count=2)
-            qb = dev.create_buffer(size=16, usage=U.QUERY_RESOLVE | U.COPY_SRC)
-            times = []
-            for _ in range(repeat + 2):
-                enc = dev.create_command_encoder()
-                enc.clear_buffer(obuf, 0, nbytes)
-                cp = enc.begin_compute_pass(timestamp_writes={"query_set": qs, "beginning_of_pass_write_index": 0,
-                                                              "end_of_pass_write_index": 1})
-                cp.set_pipeline(st.pipe)
-                for g, (gx, gy) in zip(groups, grids):
-                    cp.set_bind_group(0, g)
-                    cp.dispatch_workgroups(gx, gy, 1)
-                cp.end()
-                enc.resolve_query_set(qs, 0, 2, qb, 0)
-                dev.queue.submit([enc.finish()])
-                ts = np.frombuffer(dev.queue.read_buffer(qb), np.uint64)
-                times.append((int(ts[1]) - int(ts[0])) * float(getattr(ctx, "ns_per_tick", 1.0)) * 1e-9)
-            for b in (qbuf, pbuf, plbuf, obuf, ubuf, qb):
-                b.destroy()
-        return statistics.median(times[2:])
-    finally:
-        ik.release()
+    return chk.gpu_time(be, p, repeat)[0]
 
 
 class Prefill:
