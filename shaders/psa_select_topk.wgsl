@@ -17,6 +17,12 @@
 //      of the row; the candidate is written to slot (local ? 1 : 0) + rank;
 //   4. slot 0 = the local block (if any), slots past the chosen ones = -1.
 //
+// Short rows (msb <= RANK_MAX) skip 2 and 3: the row's keys go to workgroup memory once and every
+// candidate counts the candidates better than it (msb comparisons, all lanes reading the same
+// word); a rank below n is its slot. Same order, same result, bit for bit; one pass over the
+// row and one barrier instead of 4 + lo_passes radix passes of 4 barriers each (the decode layer's
+// 256-block rows: 25-28 us of top-k on the H200, nearly all of it barriers).
+//
 // Bindings (group 0)
 //   0 params  uniform              Params (below; one record per dispatch)
 //   1 scores  storage, read        u32 [n_rows, msb]  float32 bits of the batch's block scores;
@@ -28,11 +34,13 @@
 // Override constants
 //   WG   workgroup size
 //   CAP  chosen candidates ranked in workgroup memory (8 bytes each)
+//   RANK_MAX rows of at most this many scores are ranked by counting (<= min(CAP, 4 WG); 0: never)
 //   KEYS 1: `scores` holds the u32 keys of psa_block_scores.wgsl instead of float32 bits (a
 //        device-resident MSA layer feeds the block scores straight in; key_bits decodes them)
 
 override WG: u32 = 64u;
 override CAP: u32 = 1024u;
+override RANK_MAX: u32 = 0u;  // rows this short: ranked by counting (the host keeps it <= min(CAP, 4 WG))
 override KEYS: u32 = 0u;  // 1: `scores` holds psa_block_scores.wgsl keys (the device-resident layer)
 const INVALID_ID: u32 = 0xffffffffu;  // no local block
 
@@ -115,6 +123,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         atomicStore(&n_fill, 0u);
     }
     workgroupBarrier();
+
+    if (msb <= RANK_MAX) {  // (uniform: params and an override)
+        rank_row(lid, base, obase, msb, lb, slot0, kk, local, has_local);
+        return;
+    }
 
     // 1. candidates
     var mine = 0u;
@@ -245,6 +258,57 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 
     // 4. the local block and the padding
+    if (has_local && lid == 0u) {
+        out[obase] = local;
+    }
+    for (var x = slot0 + n + lid; x < params.k_out; x += WG) {
+        out[obase + x] = -1;
+    }
+}
+
+// A short row (msb <= RANK_MAX <= min(CAP, 4 WG)): keys in workgroup memory; lane l holds the
+// keys of ids l, l + WG, l + 2 WG, l + 3 WG and counts, for all four at once, the candidates
+// better than each (one workgroup-memory read per id of the row, four ids per loop step so the
+// reads overlap); a rank below n = min(kk, candidates) is the candidate's slot.
+fn rank_row(lid: u32, base: u32, obase: u32, msb: u32, lb: u32, slot0: u32, kk: u32, local: i32,
+            has_local: bool) {
+    let jv = vec4<u32>(lid, lid + WG, lid + 2u * WG, lid + 3u * WG);
+    var kv = vec4<u32>(0u);  // keys of ids jv (0 past msb: never a candidate)
+    for (var i = 0u; i < 4u; i++) {
+        if (jv[i] < msb) {
+            let key = select(score_key(scores[base + jv[i]]), 0u, jv[i] == lb);
+            c_key[jv[i]] = key;
+            kv[i] = key;
+        }
+    }
+    let mine = dot(select(vec4<u32>(0u), vec4<u32>(1u), kv != vec4<u32>(0u)), vec4<u32>(1u));
+    atomicAdd(&n_cand, mine);
+    workgroupBarrier();
+    if (lid == 0u) {
+        bcast_cnt = atomicLoad(&n_cand);
+    }
+    let n = min(kk, workgroupUniformLoad(&bcast_cnt));
+    var rank = vec4<u32>(0u);
+    let m4 = msb & ~3u;
+    for (var m = 0u; m < m4; m += 4u) {
+        let k0 = vec4<u32>(c_key[m]);
+        let k1 = vec4<u32>(c_key[m + 1u]);
+        let k2 = vec4<u32>(c_key[m + 2u]);
+        let k3 = vec4<u32>(c_key[m + 3u]);
+        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k0 > kv) | ((k0 == kv) & (vec4<u32>(m) < jv)));
+        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k1 > kv) | ((k1 == kv) & (vec4<u32>(m + 1u) < jv)));
+        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k2 > kv) | ((k2 == kv) & (vec4<u32>(m + 2u) < jv)));
+        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k3 > kv) | ((k3 == kv) & (vec4<u32>(m + 3u) < jv)));
+    }
+    for (var m = m4; m < msb; m++) {
+        let km = vec4<u32>(c_key[m]);
+        rank += select(vec4<u32>(0u), vec4<u32>(1u), (km > kv) | ((km == kv) & (vec4<u32>(m) < jv)));
+    }
+    for (var i = 0u; i < 4u; i++) {
+        if (kv[i] != 0u && rank[i] < n) {
+            out[obase + slot0 + rank[i]] = i32(jv[i]);
+        }
+    }
     if (has_local && lid == 0u) {
         out[obase] = local;
     }

@@ -202,9 +202,21 @@ def test_R24_wgpu_select_topk_bit_identical_to_numpy(be, case, force_local):
     np.testing.assert_array_equal(got, brute_topk(case["scores"], case["topk"], local))
 
 
+@pytest.fixture(params=["count", "radix"])
+def rank_path(request, monkeypatch):
+    """Both ways psa_select_topk.wgsl ranks a row: by counting (rows of <= TOPK_RANK_MAX scores,
+    the default for them) and by radix passes (forced here for every row)."""
+    from paged_sparse_attn.backends.wgpu import _index_branch
+
+    if request.param == "radix":
+        monkeypatch.setattr(_index_branch, "TOPK_RANK_MAX", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("msb", [1, 3, 256, 257, 700])
-def test_R24_wgpu_long_rows_with_ties_all_selection_paths(be, be_small_wg, msb):
-    # 256 < msb: two radix passes over the id part; topk > 256 on be_small_wg: rank by row scan
+def test_R24_wgpu_long_rows_with_ties_all_selection_paths(be, be_small_wg, msb, rank_path):
+    # 256 < msb: two radix passes over the id part; topk > 256 on be_small_wg: rank by row scan;
+    # rows of <= 512 scores (<= 256 on be_small_wg) ranked by counting unless rank_path forces radix
     rng = np.random.default_rng(msb)
     special = np.array(SPECIAL + [1e-30, -1e-30, 3e38, -3e38], np.float32)
     scores = np.where(rng.random((3, 2, msb)) < 0.5, rng.choice(special, (3, 2, msb)),

@@ -105,3 +105,54 @@ def test_R32_device_results_written_in_place_or_copied_equal_host_results(WgpuBa
         np.testing.assert_array_equal(res[1].numpy(), want_lse)
     plan.close()
     be.close()
+
+
+def test_R32_a_model_step_of_many_layers_makes_no_bind_groups_once_warm(WgpuBackend):
+    """Each layer brings its own queries: a plan must keep a bind group per layer's tensors (a
+    cache of 32 made new ones on every layer of a 32-layer loop: 1.5-2 x the host time)."""
+    be = WgpuBackend()
+    c = _decode(2)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = psa.plan_attention(c["bt"], c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
+                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
+                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    rng = np.random.default_rng(0)
+    hq = [rng.standard_normal(c["qs"][0].shape, dtype=np.float32) for _ in range(48)]
+    qd = [be.asarray(q) for q in hq]
+    sd = be.asarray(c["sel"])
+    for _ in range(2):
+        outs = [plan.run(q, kd, vd, sd) for q in qd]  # results held: every result buffer is new
+        del outs
+    made = plan._runtime.bind_groups_made
+    outs = [plan.run(q, kd, vd, sd) for q in qd]
+    assert plan._runtime.bind_groups_made == made, "a warm loop over the same layers made bind groups"
+    for i in (0, 17, 47):
+        np.testing.assert_array_equal(outs[i].numpy(), plan.run(hq[i], kd, vd, c["sel"]))
+    plan.close()
+    be.close()
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_R32_caches_checked_again_after_update(WgpuBackend, device):
+    """A cache that passed a plan's checks is checked again after ``update`` brings new pages: it
+    may be too small for them now (R2)."""
+    be = WgpuBackend()
+    c = _decode(3)
+    P = c["k"].shape[0]
+    k, v = c["k"][:P - 1], c["v"][:P - 1]  # one page short of the pool: still holds every page in use?
+    bt = c["bt"].copy()
+    bt[bt == P - 1] = 0  # no page refers to the missing one yet
+    kd, vd = be.upload_kv_cache(k, v) if device else (k, v)
+    plan = psa.plan_attention(bt, c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
+                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
+                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    q = be.asarray(c["qs"][0]) if device else c["qs"][0]
+    sel = be.asarray(c["sel"]) if device else c["sel"]
+    plan.run(q, kd, vd, sel)
+    bt2 = bt.copy()
+    bt2[0, 0] = P - 1  # a page the caches do not have
+    plan.update(block_tables=bt2)
+    with pytest.raises(psa.SpecError, match=r"R2"):
+        plan.run(q, kd, vd, sel)
+    plan.close()
+    be.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -104,6 +105,10 @@ class AttentionPlan:
         self._host = HostRuntime(backend, layout)  # the plain path (and the calls a runtime leaves to it)
         self._runtime = backend.make_runtime(layout) or self._host
         self._lock = threading.Lock()
+        # device arrays that passed a role's checks (shape, dtype, backend: fixed for a device
+        # array's life), so a model's loop over layers checks each tensor once, not per call;
+        # host arrays are checked every call (their shape, dtype and values can change)
+        self._passed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __repr__(self) -> str:
         L = self.layout
@@ -111,6 +116,21 @@ class AttentionPlan:
                 f"D={L.head_dim} topk={L.topk} on {self.backend.name!r}>")
 
     # --- per-layer checks ---------------------------------------------------------------------
+
+    def _known(self, *pairs) -> bool:
+        """Whether every ``(role, x)`` is a device array that passed that role's checks before."""
+        for role, x in pairs:
+            if not isinstance(x, DeviceArray) or role not in self._passed.get(x, ()):
+                return False
+        return True
+
+    def _remember(self, *pairs) -> None:
+        for role, x in pairs:
+            if isinstance(x, DeviceArray):
+                try:
+                    self._passed.setdefault(x, set()).add(role)
+                except TypeError:  # a third-party device array that takes no weak reference
+                    pass
 
     def _check_q(self, fn: str, q: Any, name: str = "q", shape: tuple | None = None) -> Any:
         L = self.layout
@@ -174,10 +194,15 @@ class AttentionPlan:
             numpy arrays, or device arrays of the backend when ``q`` is one (R30).
         """
         fn = "AttentionPlan.run"
-        q = self._check_q(fn, q)
-        k, v = self._check_caches(fn, k_cache, v_cache)
-        sel = self._check_selected(fn, selected)
-        self._check_owner(fn, q, k, v, sel)
+        roles = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("selected", selected))
+        if self._known(*roles):
+            k, v, sel = k_cache, v_cache, selected
+        else:
+            q = self._check_q(fn, q)
+            k, v = self._check_caches(fn, k_cache, v_cache)
+            sel = self._check_selected(fn, selected)
+            self._check_owner(fn, q, k, v, sel)
+            self._remember(*roles)
         with self._lock:
             out, lse = self._run(q, k, v, sel)
         return (out, lse) if return_lse else out
@@ -201,12 +226,18 @@ class AttentionPlan:
                                    "num_index_heads=, index_dtype=) to plan_attention() [R32]")
         if L.topk < 1:
             raise _fail(fn, f"topk must be >= 1 with the forced local block, got {L.topk}", "R23")
-        q = self._check_q(fn, q)
-        iq = self._check_q(fn, index_q, "index_q", (L.num_queries, L.num_kv_heads, L.index_dim))
-        k, v = self._check_caches(fn, k_cache, v_cache)
-        ik, _ = self._check_caches(fn, index_k_cache, None, names=("index_k_cache", ""),
-                                   heads=L.num_index_heads, dim=L.index_dim, dtype=L.index_dtype)
-        self._check_owner(fn, q, k, v, iq, ik)
+        roles = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("index_q", index_q),
+                 ("index_k_cache", index_k_cache))
+        if self._known(*roles):
+            k, v, iq, ik = k_cache, v_cache, index_q, index_k_cache
+        else:
+            q = self._check_q(fn, q)
+            iq = self._check_q(fn, index_q, "index_q", (L.num_queries, L.num_kv_heads, L.index_dim))
+            k, v = self._check_caches(fn, k_cache, v_cache)
+            ik, _ = self._check_caches(fn, index_k_cache, None, names=("index_k_cache", ""),
+                                       heads=L.num_index_heads, dim=L.index_dim, dtype=L.index_dtype)
+            self._check_owner(fn, q, k, v, iq, ik)
+            self._remember(*roles)
         with self._lock:
             out, lse = self._run_sparse(q, k, v, iq, ik)
         return (out, lse) if return_lse else out
@@ -251,6 +282,7 @@ class AttentionPlan:
             if self._host is not self._runtime:
                 self._host.update(new)
             self.layout = new
+            self._passed.clear()  # a cache that passed may be too small for the new pages (R2)
 
     def close(self) -> None:
         """Release what the runtime holds (device buffers)."""

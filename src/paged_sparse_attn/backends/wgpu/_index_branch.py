@@ -163,6 +163,14 @@ def score_rows_per_item(rows_per_seq: int) -> int:
     sequence (at least 8: one subgroup of 32 invocations); decode items have Hkv rows."""
     return int(min(SCORES_WG, max(8, 1 << max(0, int(rows_per_seq) - 1).bit_length())))
 TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
+# rows of at most this many block scores are ranked by counting (override RANK_MAX; 0 = never):
+# one pass and one barrier instead of the radix passes (see psa_select_topk.wgsl)
+TOPK_RANK_MAX = 4 * TOPK_WG  # (the kernel holds 4 ids per lane)
+
+
+def topk_constants(cap: int, keys: bool) -> dict[str, int]:
+    """Override constants of ``psa_select_topk.wgsl`` for a device's ranking capacity ``cap``."""
+    return {"WG": TOPK_WG, "CAP": cap, "RANK_MAX": min(TOPK_RANK_MAX, cap, 4 * TOPK_WG), **({"KEYS": 1} if keys else {})}
 PARAM_BYTES = 48  # one uniform record per dispatch (multiple of 16)
 INVALID = 0xFFFFFFFF
 NAN_KEY = 0xFFFFFFFF
@@ -543,7 +551,7 @@ class IndexBranchMixin:
         if cap < 1:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs more than {ctx.workgroup_storage} bytes of "
                                    "workgroup memory [R18]")
-        pipe, bgl = self._ib_pipeline(TOPK, False, {"WG": TOPK_WG, "CAP": cap})
+        pipe, bgl = self._ib_pipeline(TOPK, False, topk_constants(cap, keys=False))
         lo_passes = -(-int(msb - 1).bit_length() // 8)
         bits = p.scores.view(np.uint32).reshape(Tq, Hkv * msb)
         local = p.local_block.astype(np.int32)

@@ -31,7 +31,7 @@ from ..._index import build_index_arrays, local_blocks, query_positions, run_sta
 from ..._layout import BatchLayout
 from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
-from ._device import after_device_error, destroy_all, device_errors
+from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._kernels import pipeline
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read
@@ -50,6 +50,12 @@ REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment;
 # uniform records of the consts buffer
 R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
 POOL = 8  # result buffers kept for reuse
+# bind groups a plan keeps by the buffers they bind, least recently used evicted: a model's
+# layers each bring their own queries (and index queries), so the cache must hold a bind group
+# per layer and tensor of a whole model step; too few and every layer makes new ones (32 did,
+# for a 32-layer loop with results pooled: 1.5-2 x the host time per layer). A bind group of a
+# destroyed buffer holds no memory (destroy frees it); keys are buffer uids, never reused.
+PLAN_BIND_GROUPS = 512
 
 
 def _grid(n: int, maxdim: int) -> tuple[int, int]:
@@ -80,7 +86,8 @@ class DeviceRuntime:
         self.pool: list = []  # result buffers of device calls whose results were dropped
         self.layout = layout
         self.sparse = None  # the index branch's buffers, made by the first run_sparse
-        self.bg_part: dict = {}
+        self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
+        self.bind_groups_made = 0
         with backend._lock:
             try:
                 with device_errors("plan_attention (device buffers and pipelines)"):
@@ -230,7 +237,7 @@ class DeviceRuntime:
         self.bg_merge = bg(self.p_merge[1], [ub(R_MERGE, 32)] + [{"buffer": b} for b in (
             self.po, self.pml, self.merge, self.out, self.oml)])
         self._ub_merge = ub(R_MERGE, 32)
-        self.bg_part: dict = {}
+        self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
         self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
         self.decode = decode
@@ -300,7 +307,7 @@ class DeviceRuntime:
         self.pool = []
         destroy_all(self.bufs)
         self.bufs = []
-        self.bg_part = {}
+        self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
 
     def _live(self) -> None:
         if self.generation != self.be._generation or (not self.bufs and not self.empty):
@@ -409,13 +416,12 @@ class DeviceRuntime:
         return plan_buf
 
     def _cached(self, key, make):
-        """A bind group kept by the buffers it binds (the latest 32): layers alternate between a
-        few caches and queries, and a bind group costs more to make than a layer to encode."""
+        """A bind group kept by the buffers it binds (``PLAN_BIND_GROUPS``, least recently used
+        evicted): a bind group costs more to make than a layer to encode."""
         bg = self.bg_part.get(key)
         if bg is None:
-            if len(self.bg_part) >= 32:
-                self.bg_part.pop(next(iter(self.bg_part)))
             bg = self.bg_part[key] = make()
+            self.bind_groups_made += 1  # (a diagnostic: a steady loop makes none)
         return bg
 
     def _partials_group(self, qb, k, v, params):
@@ -621,7 +627,13 @@ class DeviceRuntime:
 
         from ..._types import IndexProblem
         from ._index_branch import PARAM_BYTES as SREC
-        from ._index_branch import TOPK, TOPK_CAP, TOPK_WG, _record, score_dispatches
+        from ._index_branch import (
+            TOPK,
+            TOPK_CAP,
+            _record,
+            score_dispatches,
+            topk_constants,
+        )
         from ._plan import grid_dispatches
 
         key = ik.buffers()[0].uid
@@ -666,7 +678,7 @@ class DeviceRuntime:
                 calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
         sp.n_score_calls = len(calls)
         cap = min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
-        tpipe, tbgl = be._ib_pipeline(TOPK, False, {"WG": TOPK_WG, "CAP": cap, "KEYS": 1})
+        tpipe, tbgl = be._ib_pipeline(TOPK, False, topk_constants(cap, keys=True))
         lo_passes = -(-int(msb - 1).bit_length() // 8)
         for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
             records.append(_record(f2, cnt, gx, msb, k_out, Hkv, lo_passes))
