@@ -202,7 +202,8 @@ class AttentionPlan:
             k, v = self._check_caches(fn, k_cache, v_cache)
             sel = self._check_selected(fn, selected)
             self._check_owner(fn, q, k, v, sel)
-            self._remember(*roles)
+            with self._lock:
+                self._remember(*roles)
         with self._lock:
             out, lse = self._run(q, k, v, sel)
         return (out, lse) if return_lse else out
@@ -237,7 +238,8 @@ class AttentionPlan:
             ik, _ = self._check_caches(fn, index_k_cache, None, names=("index_k_cache", ""),
                                        heads=L.num_index_heads, dim=L.index_dim, dtype=L.index_dtype)
             self._check_owner(fn, q, k, v, iq, ik)
-            self._remember(*roles)
+            with self._lock:
+                self._remember(*roles)
         with self._lock:
             out, lse = self._run_sparse(q, k, v, iq, ik)
         return (out, lse) if return_lse else out
