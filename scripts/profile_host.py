@@ -62,12 +62,18 @@ def _problem(a):
     return w, p
 
 
-def _stages(name: str, p: dict, calls: int) -> None:
+def _forward_call(name: str, p: dict):
+    """``(backend, k, v, args, kwargs)`` of a decode ``forward()`` call on resident caches."""
     be = psa.get_backend(name)
     k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
     args = (p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"])
-    kw = dict(used_kv_lens=p["used_kv_lens"], block_size=p["block_size"], causal=p["causal"], backend=be,
-              return_lse=True)
+    kw = dict(used_kv_lens=p["used_kv_lens"], block_size=p["block_size"], causal=p["causal"], backend=be)
+    return be, k, v, args, kw
+
+
+def _stages(name: str, p: dict, calls: int) -> None:
+    be, k, v, args, kw = _forward_call(name, p)
+    kw["return_lse"] = True
     spent: dict[str, float] = {}
     saved = []
     for label, mod, attr in STAGES:
@@ -171,10 +177,7 @@ class _NativeTimer:
 
 
 def _native(name: str, p: dict, calls: int) -> None:
-    be = psa.get_backend(name)
-    k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
-    args = (p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"])
-    kw = dict(used_kv_lens=p["used_kv_lens"], block_size=p["block_size"], causal=p["causal"], backend=be)
+    be, k, v, args, kw = _forward_call(name, p)
     for _ in range(10):
         psa.forward(*args, **kw)
     dev = be.device_context.device
@@ -240,10 +243,7 @@ def _native(name: str, p: dict, calls: int) -> None:
 
 
 def _cprofile(name: str, p: dict, calls: int, workload: str, top: int) -> None:
-    be = psa.get_backend(name)
-    k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
-    args = (p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"])
-    kw = dict(used_kv_lens=p["used_kv_lens"], block_size=p["block_size"], causal=p["causal"], backend=be)
+    be, k, v, args, kw = _forward_call(name, p)
     for _ in range(20):
         psa.forward(*args, **kw)
     t0 = time.perf_counter()

@@ -25,13 +25,19 @@ def _decode(seed, B=3, Hkv=2, G=2, D=8, S=4, BS=8, pages=4, topk=2):
     return dict(bt=bt, lens=lens, cu=cu, sel=sel, k=k, v=v, qs=qs, S=S, BS=BS, Hkv=Hkv, G=G, D=D, topk=topk)
 
 
+def _plan(be, c, block_tables=None):
+    """The decode case's plan on ``be`` (its own ``block_tables`` unless given)."""
+    bt = c["bt"] if block_tables is None else block_tables
+    return psa.plan_attention(bt, c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
+                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
+                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+
+
 def test_R32_device_layers_equal_single_calls_with_temporaries_dropped_at_once(WgpuBackend):
     be = WgpuBackend()
     c = _decode(1)
     kd, vd = be.upload_kv_cache(c["k"], c["v"])
-    plan = psa.plan_attention(c["bt"], c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
-                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
-                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    plan = _plan(be, c)
     # device inputs made inline and dropped at once
     outs = [plan.run(be.asarray(q), kd, vd, be.asarray(c["sel"])) for q in c["qs"]]
     gc.collect()
@@ -88,9 +94,7 @@ def test_R32_device_results_written_in_place_or_copied_equal_host_results(WgpuBa
     be = WgpuBackend()
     c = _decode(2, B=B)
     kd, vd = be.upload_kv_cache(c["k"], c["v"])
-    plan = psa.plan_attention(c["bt"], c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
-                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
-                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    plan = _plan(be, c)
     sd = be.asarray(c["sel"])
     held = [plan.run(be.asarray(q), kd, vd, sd, return_lse=True) for q in c["qs"]]
     for i in (0, 3):  # results dropped and their buffers recycled by the next layers
@@ -114,9 +118,7 @@ def test_R32_a_model_step_of_many_layers_makes_no_bind_groups_once_warm(WgpuBack
     be = WgpuBackend()
     c = _decode(2, B=B)
     kd, vd = be.upload_kv_cache(c["k"], c["v"])
-    plan = psa.plan_attention(c["bt"], c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
-                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
-                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    plan = _plan(be, c)
     rng = np.random.default_rng(0)
     hq = [rng.standard_normal(c["qs"][0].shape, dtype=np.float32) for _ in range(48)]
     qd = [be.asarray(q) for q in hq]
@@ -147,9 +149,7 @@ def test_R32_caches_checked_again_after_update(WgpuBackend, device):
     bt = c["bt"].copy()
     bt[bt == P - 1] = 0  # no page refers to the missing one yet
     kd, vd = be.upload_kv_cache(k, v) if device else (k, v)
-    plan = psa.plan_attention(bt, c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
-                              num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
-                              kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
+    plan = _plan(be, c, block_tables=bt)
     q = be.asarray(c["qs"][0]) if device else c["qs"][0]
     sel = be.asarray(c["sel"]) if device else c["sel"]
     plan.run(q, kd, vd, sel)
