@@ -94,4 +94,6 @@ def test_layer_suite_quick_times_the_plan_loops(tmp_path):
     (row,) = [r for r in res["rows"] if r["impl"] == "wgpu"]
     for k in ("attention_s", "attention_synced_s", "layer_s", "layer_synced_s", "forward_numpy_s"):
         assert row[k] > 0, (k, row)
+    for loop in ("attention", "layer"):  # the host's part of a pipelined loop: up to its wall time
+        assert 0 < row[f"{loop}_host_s"] <= row[f"{loop}_s"], (loop, row)
     assert row["kernel"] == "decode"

@@ -18,6 +18,10 @@ same caches (resident on the device), is timed in wall time:
 ``layer, synced``
     the same with a synchronisation per layer.
 
+For the pipelined loops of ours the host time per layer is also kept (``attention_host_s``,
+``layer_host_s``: until the last call returned, before the final synchronisation): equal to the
+loop's time when the host is what the loop waits for, below it when the GPU is.
+
 Kernel references from the same run: the partials+combine time of one call from GPU timestamps
 (``profile_forward``'s ``call_s``), and the pass split of a plan's call (``gpu_index_s``,
 ``gpu_invert_s``, ``gpu_attention_s``) from a backend with ``timestamps=True``. Nothing here
@@ -59,9 +63,13 @@ QUICK_LAYER_WORKLOADS = (
 
 
 def _loop_time(step: Callable[[int], object], sync: Callable[[object], None], layers: int, repeat: int,
-               per_call_sync: bool) -> float:
-    """Median wall seconds per layer of ``repeat`` loops of ``layers`` calls (after one warm loop)."""
-    times = []
+               per_call_sync: bool, issued: list | None = None) -> float:
+    """Median wall seconds per layer of ``repeat`` loops of ``layers`` calls (after one warm loop).
+
+    ``issued``: receives the median seconds per layer until the last call returned, before the
+    final synchronisation (a pipelined loop's host time per layer: below the wall time when the
+    GPU is what the loop waits for, equal to it when the host is)."""
+    times, issue = [], []
     for r in range(repeat + 1):
         t0 = time.perf_counter()
         last = None
@@ -69,10 +77,14 @@ def _loop_time(step: Callable[[int], object], sync: Callable[[object], None], la
             last = step(i)
             if per_call_sync:
                 sync(last)
+        t1 = time.perf_counter()
         if not per_call_sync:
             sync(last)
         if r:
             times.append((time.perf_counter() - t0) / layers)
+            issue.append((t1 - t0) / layers)
+    if issued is not None:
+        issued.append(float(np.median(issue)))
     return float(np.median(times))
 
 
@@ -111,10 +123,12 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
     att = lambda i: plan.run(qd[i], kd, vd, sd)  # noqa: E731
     lay = lambda i: plan.run_sparse(qd[i], kd, vd, iqd[i], ikd)  # noqa: E731
     L = lw.layers
-    row["attention_s"] = _loop_time(att, sync, L, repeat, False)
+    issued: list = []
+    row["attention_s"] = _loop_time(att, sync, L, repeat, False, issued)
     row["attention_synced_s"] = _loop_time(att, sync, L, repeat, True)
-    row["layer_s"] = _loop_time(lay, sync, L, repeat, False)
+    row["layer_s"] = _loop_time(lay, sync, L, repeat, False, issued)
     row["layer_synced_s"] = _loop_time(lay, sync, L, repeat, True)
+    row["attention_host_s"], row["layer_host_s"] = issued
     fargs = dict(used_kv_lens=prob["used_kv_lens"], block_size=w.block_size, causal=w.causal, backend=be)
     row["forward_numpy_s"] = _loop_time(
         lambda i: __import__("paged_sparse_attn").forward(qs[i], kd, vd, prob["block_tables"], prob["selected"],
