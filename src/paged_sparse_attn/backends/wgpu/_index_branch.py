@@ -168,9 +168,21 @@ TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
 TOPK_RANK_MAX = 4 * TOPK_WG  # (the kernel holds 4 ids per lane)
 
 
-def topk_constants(cap: int, keys: bool) -> dict[str, int]:
-    """Override constants of ``psa_select_topk.wgsl`` for a device's ranking capacity ``cap``."""
+def topk_cap(ctx) -> int:
+    """Chosen candidates a device ranks in workgroup memory (override CAP: 8 bytes each, 2 KiB
+    kept for the histograms)."""
+    return min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
+
+
+def topk_constants(ctx, keys: bool) -> dict[str, int]:
+    """Override constants of ``psa_select_topk.wgsl`` on a device (``keys``: block-score keys in)."""
+    cap = topk_cap(ctx)
     return {"WG": TOPK_WG, "CAP": cap, "RANK_MAX": min(TOPK_RANK_MAX, cap, 4 * TOPK_WG), **({"KEYS": 1} if keys else {})}
+
+
+def topk_record(first: int, count: int, grid_x: int, msb: int, k_out: int, heads: int) -> np.ndarray:
+    """The Params record of one top-k dispatch (with its id radix passes for ``msb`` blocks)."""
+    return _record(first, count, grid_x, msb, k_out, heads, -(-int(msb - 1).bit_length() // 8))
 PARAM_BYTES = 48  # one uniform record per dispatch (multiple of 16)
 INVALID = 0xFFFFFFFF
 NAN_KEY = 0xFFFFFFFF
@@ -547,12 +559,10 @@ class IndexBranchMixin:
         if per_q > ctx.binding_size:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs {per_q} bytes per query (Hkv={Hkv}, "
                                    f"msb={msb}), more than one storage binding ({ctx.binding_size} bytes) [R18]")
-        cap = min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
-        if cap < 1:
+        if topk_cap(ctx) < 1:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs more than {ctx.workgroup_storage} bytes of "
                                    "workgroup memory [R18]")
-        pipe, bgl = self._ib_pipeline(TOPK, False, topk_constants(cap, keys=False))
-        lo_passes = -(-int(msb - 1).bit_length() // 8)
+        pipe, bgl = self._ib_pipeline(TOPK, False, topk_constants(ctx, keys=False))
         bits = p.scores.view(np.uint32).reshape(Tq, Hkv * msb)
         local = p.local_block.astype(np.int32)
         res = np.empty((Tq, Hkv * k_out), dtype=np.int32)
@@ -568,7 +578,7 @@ class IndexBranchMixin:
                     lbuf = run.data(local[ta:tb], "local_block")
                     obuf = run.output(rows * k_out * 4, "selected")
                     for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
-                        rec = _record(f2, cnt, gx, msb, k_out, Hkv, lo_passes)
+                        rec = topk_record(f2, cnt, gx, msb, k_out, Hkv)
                         run.dispatch(pipe, bgl, [sbuf, lbuf, obuf], rec, gx, gy)
 
                     def sink(raw, ta=ta, tb=tb):

@@ -629,10 +629,10 @@ class DeviceRuntime:
         from ._index_branch import PARAM_BYTES as SREC
         from ._index_branch import (
             TOPK,
-            TOPK_CAP,
             _record,
             score_dispatches,
             topk_constants,
+            topk_record,
         )
         from ._plan import grid_dispatches
 
@@ -677,11 +677,9 @@ class DeviceRuntime:
                 records.append(_record(f2, cnt, gx, Tq, Hkv, msb, float(p.softmax_scale), 0, int(st.starts[1])))
                 calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
         sp.n_score_calls = len(calls)
-        cap = min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
-        tpipe, tbgl = be._ib_pipeline(TOPK, False, topk_constants(cap, keys=True))
-        lo_passes = -(-int(msb - 1).bit_length() // 8)
+        tpipe, tbgl = be._ib_pipeline(TOPK, False, topk_constants(ctx, keys=True))
         for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
-            records.append(_record(f2, cnt, gx, msb, k_out, Hkv, lo_passes))
+            records.append(topk_record(f2, cnt, gx, msb, k_out, Hkv))
             calls.append((tpipe, tbgl, [sp.scores, local, self.sel], gx, gy))
         n = len(records)
         consts = np.zeros((n + 2, align // 4), np.uint32)
