@@ -40,19 +40,55 @@ R26_VARIANTS = {
 }
 
 
-def _with_edits(edits):
+# (text, replacement) edits of psa_partials_decode_sgmat.wgsl: what each part of it costs
+SGMAT_VARIANTS = {
+    "as is": [],
+    "no FMA redo paths": [("if (exact) {", "if (false) {"), ("if (fma) {", "if (false) {")],
+    "no score products": [("for (var t = sg; t < nt; t += NSG) {", "for (var t = sg; t < 0u; t += NSG) {")],
+    "no P.V products": [("for (var dt = sg; dt < ND; dt += NSG) {", "for (var dt = sg; dt < 0u; dt += NSG) {")],
+    "stages: none (items read, nothing else)": [("for (var e = 0u; e < n_e; e++) {", "for (var e = 0u; e < 0u; e++) {")],
+    "stages: Q": [("let qbad = uniform_flag(0u, tid);", "let qbad = uniform_flag(0u, tid); if (true) { continue; }")],
+    "stages: Q, scores": [("let f = select(down, 1.0, fma);", "let f = select(down, 1.0, fma); if (true) { continue; }")],
+    "stages: Q, scores, softmax": [("let removed = uniform_flag(2u, tid);",
+                                    "let removed = uniform_flag(2u, tid); if (true) { continue; }")],
+    "no products at all": [("for (var t = sg; t < nt; t += NSG) {", "for (var t = sg; t < 0u; t += NSG) {"),
+                           ("for (var dt = sg; dt < ND; dt += NSG) {", "for (var dt = sg; dt < 0u; dt += NSG) {")],
+}
+
+
+def _with_edits(edits, kernel=DECODE):
     orig = _kernels.shader_source
 
     def src(name, f16=False):
         text = orig(name, f16=f16)
-        if name == DECODE:
+        if name == kernel:
             for old, new in edits:
                 if old not in text:
-                    raise SystemExit(f"variant edit not found in {DECODE}: {old!r}")
+                    raise SystemExit(f"variant edit not found in {kernel}: {old!r}")
                 text = text.replace(old, new)
         return text
 
     return orig, src
+
+
+def _time_call(be, p, w, repeat, label):
+    """Print the steady-state GPU time of one decode call's partials + combine on ``be``, and how
+    far its output is from the numpy reference."""
+    k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
+    prob = validate_forward("experiment", p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"],
+                            used_kv_lens=p["used_kv_lens"], block_size=w.block_size, softmax_scale=None,
+                            causal=w.causal)
+    ix = psa.build_kvouter_index(p["selected"], p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"],
+                                 block_size=w.block_size, page_size=w.page_size, causal=w.causal)
+    prof = be.profile_forward(prob, ix, repeat=repeat, replay="auto", warmup_s=0.5)
+    out = np.asarray(psa.forward(p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"],
+                                 used_kv_lens=p["used_kv_lens"], block_size=w.block_size, causal=w.causal, backend=be))
+    ref = np.asarray(psa.forward(p["q"], p["k_cache"], p["v_cache"], p["block_tables"], p["selected"], p["cu_seqlens_q"],
+                                 used_kv_lens=p["used_kv_lens"], block_size=w.block_size, causal=w.causal,
+                                 backend="numpy"))
+    print(f"  decode partials+combine, {label:28s}: {prof['call_s'] * 1e6:8.1f} us "
+          f"(partials {prof['partials_s'] * 1e6:.1f}, combine {prof['combine_s'] * 1e6:.1f}) "
+          f"(kernel {prof.get('kernel')}; max abs diff to numpy {float(np.max(np.abs(out - ref))):.2e})", flush=True)
 
 
 def main() -> None:
@@ -61,6 +97,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="block scores: every workgroup size and load schedule")
     ap.add_argument("--quick", action="store_true", help="the bench's small decode workload (a smoke run)")
+    ap.add_argument("--sgmat-variants", action="store_true",
+                    help="only time the tensor-core decode kernel with parts of it left out (SGMAT_VARIANTS)")
+    ap.add_argument("--wg", nargs="*", type=int, default=None, help="--sgmat-variants: workgroup sizes")
+    ap.add_argument("--kernels", nargs="*", default=None,
+                    help="only time the partials + combine of one decode call with these partials_kernel choices")
     a = ap.parse_args()
     lw = (QUICK_LAYER_WORKLOADS if a.quick else LAYER_WORKLOADS)[0]
     w = lw.w
@@ -73,6 +114,33 @@ def main() -> None:
     t_all = time.perf_counter()
     default_wg_pf = (ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF)
     runs = [(n, {}) for n in names] + [(n, {"robustness": False}) for n in names if n == "dawn"]
+    if a.sgmat_variants:
+        for name, opts in runs:
+            cls = type(registry.get_backend(name))
+            for wg in a.wg or (128, 256):
+                for vname, edits in SGMAT_VARIANTS.items():
+                    orig, src = _with_edits(edits, "psa_partials_decode_sgmat.wgsl")
+                    _kernels.shader_source = src
+                    try:
+                        be = cls(timestamps=True, partials_kernel="decode_sgmat", decode_workgroup_size=wg, **opts)
+                        _time_call(be, p, w, a.repeat, f"{name} {opts} WG {wg} {vname}")
+                        be.close()
+                    finally:
+                        _kernels.shader_source = orig
+        print(f"done in {time.perf_counter() - t_all:.1f} s")
+        return
+    if a.kernels:
+        for name, opts in runs:
+            cls = type(registry.get_backend(name))
+            for kern in a.kernels:
+                try:
+                    be = cls(timestamps=True, partials_kernel=kern, **opts)
+                    _time_call(be, p, w, a.repeat, f"{name} {opts} partials_kernel={kern!r}")
+                    be.close()
+                except psa.UnsupportedError as e:
+                    print(f"  {name} {opts} partials_kernel={kern!r}: unsupported: {e}", flush=True)
+        print(f"done in {time.perf_counter() - t_all:.1f} s")
+        return
     for name, opts in runs:
         cls = type(registry.get_backend(name))
         ref_out = None
@@ -112,15 +180,7 @@ def main() -> None:
             _kernels.shader_source = src
             try:
                 be = cls(timestamps=True, **opts)
-                k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
-                prob = validate_forward("experiment", p["q"], k, v, p["block_tables"], p["selected"], p["cu_seqlens_q"],
-                                        used_kv_lens=p["used_kv_lens"], block_size=w.block_size, softmax_scale=None,
-                                        causal=w.causal)
-                ix = psa.build_kvouter_index(p["selected"], p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"],
-                                             block_size=w.block_size, page_size=w.page_size, causal=w.causal)
-                prof = be.profile_forward(prob, ix, repeat=a.repeat, replay="auto", warmup_s=0.5)
-                print(f"  decode partials+combine, {vname:28s}: {prof['call_s'] * 1e6:8.1f} us "
-                      f"(kernel {prof.get('kernel')})", flush=True)
+                _time_call(be, p, w, a.repeat, vname)
                 be.close()
             finally:
                 _kernels.shader_source = orig
