@@ -13,6 +13,9 @@ decode layer workload of the bench (B=32, L=32k, Hq=32, Hkv=4, D=128, top-16, f1
   it is, with its exact pass never taken (what the R26 handling costs on data without special
   values) and with both passes on every edge (what the exact pass costs).
 
+``--kernels decode sgmat generic`` instead times the partials + combine of one decode call with each
+``partials_kernel`` choice (and its largest difference to the numpy backend's output).
+
 Each variant runs on a fresh device, so no pipeline is shared between variants.
 """
 
@@ -37,22 +40,6 @@ R26_VARIANTS = {
     "as is": [],
     "fast pass only (no exact redo)": [("if (workgroupUniformLoad(&redo_u) != 0u) {", "if (false) {")],
     "fast and exact pass every edge": [("if (workgroupUniformLoad(&redo_u) != 0u) {", "if (true) {")],
-}
-
-
-# (text, replacement) edits of psa_partials_decode_sgmat.wgsl: what each part of it costs
-SGMAT_VARIANTS = {
-    "as is": [],
-    "no FMA redo paths": [("if (exact) {", "if (false) {"), ("if (fma) {", "if (false) {")],
-    "no score products": [("for (var t = sg; t < nt; t += NSG) {", "for (var t = sg; t < 0u; t += NSG) {")],
-    "no P.V products": [("for (var dt = sg; dt < ND; dt += NSG) {", "for (var dt = sg; dt < 0u; dt += NSG) {")],
-    "stages: none (items read, nothing else)": [("for (var e = 0u; e < n_e; e++) {", "for (var e = 0u; e < 0u; e++) {")],
-    "stages: Q": [("let qbad = uniform_flag(0u, tid);", "let qbad = uniform_flag(0u, tid); if (true) { continue; }")],
-    "stages: Q, scores": [("let f = select(down, 1.0, fma);", "let f = select(down, 1.0, fma); if (true) { continue; }")],
-    "stages: Q, scores, softmax": [("let removed = uniform_flag(2u, tid);",
-                                    "let removed = uniform_flag(2u, tid); if (true) { continue; }")],
-    "no products at all": [("for (var t = sg; t < nt; t += NSG) {", "for (var t = sg; t < 0u; t += NSG) {"),
-                           ("for (var dt = sg; dt < ND; dt += NSG) {", "for (var dt = sg; dt < 0u; dt += NSG) {")],
 }
 
 
@@ -97,9 +84,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="block scores: every workgroup size and load schedule")
     ap.add_argument("--quick", action="store_true", help="the bench's small decode workload (a smoke run)")
-    ap.add_argument("--sgmat-variants", action="store_true",
-                    help="only time the tensor-core decode kernel with parts of it left out (SGMAT_VARIANTS)")
-    ap.add_argument("--wg", nargs="*", type=int, default=None, help="--sgmat-variants: workgroup sizes")
     ap.add_argument("--kernels", nargs="*", default=None,
                     help="only time the partials + combine of one decode call with these partials_kernel choices")
     a = ap.parse_args()
@@ -114,21 +98,6 @@ def main() -> None:
     t_all = time.perf_counter()
     default_wg_pf = (ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF)
     runs = [(n, {}) for n in names] + [(n, {"robustness": False}) for n in names if n == "dawn"]
-    if a.sgmat_variants:
-        for name, opts in runs:
-            cls = type(registry.get_backend(name))
-            for wg in a.wg or (128, 256):
-                for vname, edits in SGMAT_VARIANTS.items():
-                    orig, src = _with_edits(edits, "psa_partials_decode_sgmat.wgsl")
-                    _kernels.shader_source = src
-                    try:
-                        be = cls(timestamps=True, partials_kernel="decode_sgmat", decode_workgroup_size=wg, **opts)
-                        _time_call(be, p, w, a.repeat, f"{name} {opts} WG {wg} {vname}")
-                        be.close()
-                    finally:
-                        _kernels.shader_source = orig
-        print(f"done in {time.perf_counter() - t_all:.1f} s")
-        return
     if a.kernels:
         for name, opts in runs:
             cls = type(registry.get_backend(name))

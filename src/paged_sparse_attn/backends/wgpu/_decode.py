@@ -6,11 +6,6 @@ planner's head splits and item records are reused unchanged. It applies when eve
 of the call has exactly one edge (one query reads each selected block: decode), a cache row is
 whole 16-byte units (the kernel binds the caches as ``vec4<u32>``), the device has subgroups of
 one measured size, and a row's units fit one key group of ``R <= subgroup size`` lanes.
-
-Its tensor-core form (``psa_partials_decode_sgmat.wgsl``, :class:`DecodeSgmatGeometry`) reads the
-same plan and items; it applies on top of that where the device has 16x8x16 float16 subgroup
-matrices with subgroups of 32, the caches are float16, ``D`` is a multiple of 16 up to 128, pages
-are whole 16-position tiles and a block holds at most 128 positions (:func:`decode_sgmat_ineligible`).
 """
 
 from __future__ import annotations
@@ -20,15 +15,12 @@ from dataclasses import dataclass
 from ...errors import UnsupportedError
 from ._plan import Geometry
 
-__all__ = ["DECODE", "DECODE_SGMAT", "GENERIC", "KERNELS", "DecodeGeometry", "DecodeSgmatGeometry",
-           "decode_workgroup_bytes", "choose_decode_geometry", "choose_decode_sgmat_geometry", "decode_ineligible",
-           "decode_lanes", "decode_sgmat_ineligible"]
+__all__ = ["DECODE", "GENERIC", "KERNELS", "DecodeGeometry", "decode_workgroup_bytes", "choose_decode_geometry",
+           "decode_ineligible", "decode_lanes"]
 
 GENERIC = "psa_partials.wgsl"
 DECODE = "psa_partials_decode.wgsl"
-DECODE_SGMAT = "psa_partials_decode_sgmat.wgsl"
-KERNELS = {"generic": GENERIC, "decode": DECODE, "sgmat": "psa_partials_sgmat.wgsl",
-           "decode_sgmat": DECODE_SGMAT}  # partials_kernel= choices
+KERNELS = {"generic": GENERIC, "decode": DECODE, "sgmat": "psa_partials_sgmat.wgsl"}  # partials_kernel= choices
 MAX_NG = 8           # the kernel keeps 8 head slots in registers (larger G: items of 8 heads)
 CHUNK = 4            # keys per chunk of a key group (the kernel's loads in flight per lane)
 MIN_LANES = 8        # a key group reduce-scatters 8 head slots: at least 8 lanes
@@ -74,63 +66,6 @@ class DecodeGeometry(Geometry):
     def constants(self) -> dict[str, int]:
         return {"D": self.D, "S": self.S, "NG": self.RMAX, "WG": self.WG, "TD": self.TD, "EU": self.EU,
                 "R": self.R, "SG": self.SG, "PF": self.PF}
-
-
-DECODE_SGMAT_SHAPE = (16, 8, 16)  # (M, N, K): 16 keys or dims x 8 heads, 16-deep products
-DECODE_SGMAT_BYTES = 25824       # its workgroup memory (constant capacities: the shader's header)
-DECODE_SGMAT_KCAP = 128          # positions of a block it holds (the shader's KCAP)
-DECODE_SGMAT_MAX_D = 128         # head dim it holds (the shader's HS = 136)
-# workgroup size: 4 subgroups (each one 16-key tile of scores and 16-dim tile of o per step)
-DECODE_SGMAT_WG = 128
-
-
-@dataclass(frozen=True)
-class DecodeSgmatGeometry(DecodeGeometry):
-    """Geometry of the decode kernel on subgroup matrices: the same items as
-    :class:`DecodeGeometry` (``RMAX`` = NG heads per item, one edge each), ``WG`` invocations."""
-
-    kernel: str = DECODE_SGMAT
-
-    @property
-    def workgroup_bytes(self) -> int:
-        return DECODE_SGMAT_BYTES
-
-    def constants(self) -> dict[str, int]:
-        return {"D": self.D, "S": self.S, "WG": self.WG}
-
-
-def decode_sgmat_ineligible(ctx, *, D: int, kv_itemsize: int, page_size: int, block_size: int) -> str | None:
-    """Why the tensor-core decode kernel cannot run calls of this shape on ``ctx``, or None (the
-    FMA decode kernel's conditions, :func:`decode_ineligible`, apply as well)."""
-    if DECODE_SGMAT_SHAPE not in getattr(ctx, "sgmat", frozenset()):
-        return "the device has no 16x8x16 float16 -> float32 subgroup matrices"
-    if kv_itemsize != 2:
-        return "the caches are not float16"
-    if D % 16 or D > DECODE_SGMAT_MAX_D:
-        return f"head_dim {D} is not a multiple of 16 up to {DECODE_SGMAT_MAX_D}"
-    if page_size % 16:
-        return f"page_size {page_size} is not a multiple of 16 (the kernel reads 16-position tiles of one page)"
-    if block_size > DECODE_SGMAT_KCAP:
-        return f"block_size {block_size} > {DECODE_SGMAT_KCAP} (the kernel holds a whole block's scores)"
-    size = getattr(ctx, "subgroup", (None, ""))[0]
-    if size != 32:
-        return f"the device's subgroup size is {size}, the kernel needs 32"
-    if ctx.max_invocations < DECODE_SGMAT_WG:
-        return f"the device allows {ctx.max_invocations} invocations per workgroup (< {DECODE_SGMAT_WG})"
-    if ctx.workgroup_storage < DECODE_SGMAT_BYTES:
-        return f"the kernel needs {DECODE_SGMAT_BYTES} bytes of workgroup memory, the device allows {ctx.workgroup_storage}"
-    return None
-
-
-def choose_decode_sgmat_geometry(*, D: int, S: int, G: int, wg_size: int | None = None) -> DecodeSgmatGeometry:
-    """The tensor-core decode geometry (``decode_sgmat_ineligible`` must have returned None):
-    items of ``min(8, G)`` heads as the FMA decode kernel's, ``wg_size`` 128 (default) or 256."""
-    wg = DECODE_SGMAT_WG if wg_size is None else int(wg_size)
-    if wg not in (128, 256):
-        raise UnsupportedError(f"backend 'wgpu': the tensor-core decode kernel runs 128 or 256 invocations per "
-                               f"workgroup, got {wg} [R18]")
-    return DecodeSgmatGeometry(D=D, S=S, G=G, TK=16, RMAX=min(MAX_NG, G), WG=wg, TD=-(-D // 4), kv_itemsize=2,
-                               R=16, SG=32, PF=0)
 
 
 def decode_workgroup_bytes(D: int, WG: int, SG: int) -> int:

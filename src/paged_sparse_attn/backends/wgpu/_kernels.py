@@ -30,9 +30,8 @@ class Kernel:
     f16: bool = False        # has a float16 variant (kv_t aliased to f16)
     trusted: bool = False    # may be compiled without runtime checks (every index proved in range)
     subgroups: bool = False  # uses subgroup builtins (Tint wants `enable subgroups;`, naga refuses it)
-    sgmat: bool = False      # uses subgroup matrices: compiled only where `shape` is in ctx.sgmat;
+    sgmat: bool = False      # uses subgroup matrices: compiled only where (16, 16, 16) is in ctx.sgmat;
                              # the loader prepends `enable f16;` and the subgroup-matrix directive
-    shape: tuple = SGMAT_SHAPE  # (M, N, K) of the f16 x f16 -> f32 subgroup matrices it uses
 
 
 KERNEL_TABLE: dict[str, Kernel] = {
@@ -40,7 +39,6 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_partials.wgsl": Kernel("urrrrww", f16=True, trusted=True),
     "psa_partials_decode.wgsl": Kernel("urrrrww", trusted=True, subgroups=True),  # caches as 16-byte units, any dtype
     "psa_partials_sgmat.wgsl": Kernel("urrrrww", trusted=True, sgmat=True),  # float16 caches, tensor cores
-    "psa_partials_decode_sgmat.wgsl": Kernel("urrrrww", trusted=True, sgmat=True, shape=(16, 8, 16)),  # decode, f16
     "psa_merge.wgsl": Kernel("urrrww", trusted=True),
     # the KV-outer inversion on the device (R13, R31, R33)
     "psa_invert.wgsl": Kernel("urrwrwwww"),
@@ -62,8 +60,8 @@ def kernel_source(ctx: DeviceContext, kernel: str, *, f16: bool = False) -> str:
     row = KERNEL_TABLE[kernel]
     src = shader_source(kernel, f16=f16 and row.f16)
     if row.sgmat:
-        if row.shape not in ctx.sgmat:
-            raise UnsupportedError(f"{kernel} needs {row.shape[0]}x{row.shape[1]}x{row.shape[2]} f16 subgroup "
+        if SGMAT_SHAPE not in ctx.sgmat:
+            raise UnsupportedError(f"{kernel} needs {SGMAT_SHAPE[0]}x{SGMAT_SHAPE[1]}x{SGMAT_SHAPE[2]} f16 subgroup "
                                    f"matrices, which {ctx.summary} does not offer [R18]")
         src = "enable f16;\nenable chromium_experimental_subgroup_matrix;\n" + src
     if row.subgroups or row.sgmat:

@@ -31,7 +31,6 @@ from ..._index import build_index_arrays, local_blocks, query_positions, run_sta
 from ..._layout import BatchLayout
 from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
-from ._decode import KERNELS, DecodeGeometry
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._kernels import pipeline
 from ._tensors import CallResult, error_message, lse_from_ml
@@ -134,7 +133,7 @@ class DeviceRuntime:
                                index=SimpleNamespace(page_size=S, block_size=BS))
         geom = be._geometry(ctx, view, D, G, itemsize, fn)
         self.geom = geom
-        decode = isinstance(geom, DecodeGeometry)  # one edge per item (FMA or tensor-core decode kernel)
+        decode = getattr(geom, "kernel", None) == "psa_partials_decode.wgsl"
         hpi, nh = geom.heads_per_item, geom.head_splits
         epi = 1 if decode else geom.edges_per_item
         n_flags = Hkv * Tq * msb
@@ -161,7 +160,7 @@ class DeviceRuntime:
                     f"more than one storage binding ({ctx.binding_size} bytes); plan fewer queries per batch, or "
                     "call forward() with host arrays (batched on the host) [R18]")
         gx_p = min(max_items, maxdim)
-        kname = {v: k for k, v in KERNELS.items()}.get(geom.kernel_name, "generic")
+        kname = "decode" if decode else ("sgmat" if geom.kernel_name == "psa_partials_sgmat.wgsl" else "generic")
         self.geometry = dict(kernel=kname, hpi=hpi, nh=nh, epi=epi, gx=gx_p)
 
         # the layout's data and every buffer, once

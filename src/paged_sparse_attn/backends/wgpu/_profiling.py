@@ -31,7 +31,7 @@ class ProfilingMixin:
 
         Every pass of a forward call is timed (partials, merge); the caches should already be
         device-resident, so no upload is included. The first call (pipeline compilation) is not
-        counted. ``kernel`` (``"auto"`` or a ``partials_kernel`` choice of the backend) overrides the
+        counted. ``kernel`` (``"auto"``, ``"generic"``, ``"decode"`` or ``"sgmat"``) overrides the
         backend's ``partials_kernel`` for these calls.
 
         Steady state: a GPU that idles between calls (host work between them) runs at its idle
@@ -55,7 +55,7 @@ class ProfilingMixin:
             partials kernel that ran).
         """
         if kernel is not None and kernel not in ("auto", *KERNELS):
-            raise ValueError(f"profile_forward(): kernel must be 'auto' or one of {sorted(KERNELS)}, got {kernel!r}")
+            raise ValueError(f"profile_forward(): kernel must be 'auto', 'generic', 'decode' or 'sgmat', got {kernel!r}")
         runs = []
         calls: list = []
         with self._lock:  # the flags below apply to this thread's calls only

@@ -27,11 +27,9 @@ def null_device():
 
 
 def null_context() -> SimpleNamespace:
-    """What ``kernel_source`` reads of a device context, for Dawn with every subgroup-matrix shape
-    the table's kernels use (so that every kernel, the tensor-core ones included, gets its
-    directives)."""
-    shapes = {SGMAT_SHAPE} | {row.shape for row in KERNEL_TABLE.values() if row.sgmat}
-    return SimpleNamespace(runtime=DAWN, sgmat=frozenset(shapes), summary="Dawn's Null adapter")
+    """What ``kernel_source`` reads of a device context, for Dawn with 16x16x16 subgroup matrices
+    (so that every kernel of the table, the tensor-core ones included, gets its directives)."""
+    return SimpleNamespace(runtime=DAWN, sgmat=frozenset({SGMAT_SHAPE}), summary="Dawn's Null adapter")
 
 
 def tint_check() -> dict[str, str | None]:

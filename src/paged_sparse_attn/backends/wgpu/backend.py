@@ -34,13 +34,7 @@ from ..._types import (
 from ...errors import DeviceError, SpecError, UnsupportedError
 from ..base import Backend
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
-from ._decode import (
-    KERNELS,
-    choose_decode_geometry,
-    choose_decode_sgmat_geometry,
-    decode_ineligible,
-    decode_sgmat_ineligible,
-)
+from ._decode import KERNELS, choose_decode_geometry, decode_ineligible
 from ._device import (
     DeviceContext,
     after_device_error,
@@ -112,17 +106,15 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
     workgroup_size : int, optional
         Invocations per workgroup of the partials kernels (at least 64; default: chosen per call
         from the kernel and the workgroup memory, see the backend's page).
-    partials_kernel : {"auto", "generic", "decode", "decode_sgmat", "sgmat"}
+    partials_kernel : {"auto", "generic", "decode", "sgmat"}
         Partials kernel. ``"decode"``: ``psa_partials_decode.wgsl``, specialised for calls where
         every selected (KV head, block) is read by exactly one query (one query per sequence);
         a call it cannot run raises :class:`~paged_sparse_attn.UnsupportedError` naming why.
-        ``"decode_sgmat"``: ``psa_partials_decode_sgmat.wgsl``, the same calls with the matrix
-        products on 16x8x16 float16 subgroup matrices (tensor cores), for float16 caches on
-        devices that have them (the Dawn runtime); a call it cannot run raises likewise.
-        ``"sgmat"``: ``psa_partials_sgmat.wgsl``, any call's matrix products on 16x16x16 float16
-        subgroup matrices, for float16 caches on devices that have them; a call it cannot run
-        raises likewise. ``"generic"``: ``psa_partials.wgsl`` (f32 FMAs) always. ``"auto"``
-        (default): decode_sgmat when it applies, else decode, else sgmat, else generic.
+        ``"sgmat"``: ``psa_partials_sgmat.wgsl``, the matrix products on 16x16x16 float16
+        subgroup matrices (tensor cores), for float16 caches on devices that have them (the
+        Dawn runtime); a call it cannot run raises likewise. ``"generic"``: ``psa_partials.wgsl``
+        (f32 FMAs) always. ``"auto"`` (default): decode when it applies, else sgmat when it
+        applies, else generic.
     scores_kernel : {"auto", "fma", "sgmat"}
         Block-score kernel of the index branch for items of more than 8 rows (prefill).
         ``"sgmat"``: ``psa_block_scores_sgmat.wgsl``, the logits on 16x16x16 float16 subgroup
@@ -185,8 +177,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                           max_binding_size=max_binding_size, max_workgroups_per_dim=max_workgroups_per_dim,
                           disable_features=tuple(disable_features), timestamps=bool(timestamps))
         if partials_kernel not in ("auto", *KERNELS):
-            raise ValueError(f"{type(self).__name__}(): partials_kernel must be 'auto', 'generic', 'decode', "
-                             f"'decode_sgmat' or 'sgmat', got {partials_kernel!r}")
+            raise ValueError(f"{type(self).__name__}(): partials_kernel must be 'auto', 'generic', 'decode' or 'sgmat', "
+                             f"got {partials_kernel!r}")
         self._kernel = partials_kernel
         if scores_kernel not in ("auto", "fma", "sgmat"):
             raise ValueError(f"{type(self).__name__}(): scores_kernel must be 'auto', 'fma' or 'sgmat', "
@@ -195,7 +187,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"{type(self).__name__}(): batch_invariant=True runs the tiled FMA block-score kernel; "
                              "it cannot be combined with scores_kernel='sgmat'")
         self._scores_kernel = scores_kernel
-        if batch_invariant and partials_kernel in ("decode", "decode_sgmat", "sgmat"):
+        if batch_invariant and partials_kernel in ("decode", "sgmat"):
             raise ValueError(f"{type(self).__name__}(): batch_invariant=True runs the generic partials kernel; it cannot be "
                              f"combined with partials_kernel={partials_kernel!r}")
         self._batch_invariant = bool(batch_invariant)
@@ -543,19 +535,10 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                          fn: str) -> Geometry:
         index = view.index
         want = "generic" if self._batch_invariant else (self._kernel_override or self._kernel)
-        if want in ("auto", "decode", "decode_sgmat"):
+        if want in ("auto", "decode"):
             sg = subgroup_size(ctx)
             why = decode_ineligible(D=D, max_slot_edges=view.max_slot_edges, wg_limit=ctx.max_invocations,
                                     kv_itemsize=itemsize, subgroup=sg)
-            if want in ("auto", "decode_sgmat"):
-                why_mma = why or decode_sgmat_ineligible(ctx, D=D, kv_itemsize=itemsize, page_size=index.page_size,
-                                                         block_size=index.block_size)
-                if why_mma is None:
-                    return choose_decode_sgmat_geometry(
-                        D=D, S=index.page_size, G=G, wg_size=self._decode_wg if want == "decode_sgmat" else None)
-                if want == "decode_sgmat":
-                    raise UnsupportedError(f"{fn}(): backend '{self.name}' cannot use the tensor-core decode partials "
-                                           f"kernel: {why_mma}; use partials_kernel='auto' or 'generic' [R18]")
             if why is None:
                 try:
                     return choose_decode_geometry(D=D, S=index.page_size, G=G,
