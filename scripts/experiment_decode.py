@@ -14,7 +14,9 @@ decode layer workload of the bench (B=32, L=32k, Hq=32, Hkv=4, D=128, top-16, f1
   values) and with both passes on every edge (what the exact pass costs).
 
 ``--kernels decode sgmat generic`` instead times the partials + combine of one decode call with each
-``partials_kernel`` choice (and its largest difference to the numpy backend's output).
+``partials_kernel`` choice (and its largest difference to the numpy backend's output);
+``--loads-only`` times the decode partials and the decode block scores as they are and with their
+arithmetic left out (loads kept), to tell what bounds them.
 
 Each variant runs on a fresh device, so no pipeline is shared between variants.
 """
@@ -43,19 +45,56 @@ R26_VARIANTS = {
 }
 
 
+# "loads only": the kernels' loads kept (their values feed the result) and their arithmetic left
+# out, to tell loads from math. (start, end, replacement) edits replace the text from start up to end.
+SCORES_SG = "psa_block_scores_decode_sg.wgsl"
+LOADS_ONLY = {
+    DECODE: [("        // scores of head slot hs for the 4 keys", "    return Edge(m, l, a0",
+              "        a0 += bitcast<vec4<f32>>((c.k0 ^ c.k1 ^ c.k2 ^ c.k3 ^ c.v0 ^ c.v1 ^ c.v2 ^ c.v3)"
+              " & vec4<u32>(0x3fffffffu));\n        l = 1.0;\n    }\n")],
+    SCORES_SG: [(f"let z{i} = logit(qs, lo4(c.u{i}), hi4(c.u{i}), r);",
+                 f"let z{i} = bitcast<f32>((c.u{i}.x ^ c.u{i}.y ^ c.u{i}.z ^ c.u{i}.w) & 0x3fffffffu);")
+                for i in range(4)],
+}
+
+
 def _with_edits(edits, kernel=DECODE):
     orig = _kernels.shader_source
 
     def src(name, f16=False):
         text = orig(name, f16=f16)
         if name == kernel:
-            for old, new in edits:
+            for edit in edits:
+                if len(edit) == 3:
+                    start, end, new = edit
+                    i, j = text.find(start), text.find(end)
+                    if i < 0 or j < i:
+                        raise SystemExit(f"variant edit not found in {kernel}: {start!r} .. {end!r}")
+                    text = text[:i] + new + text[j:]
+                    continue
+                old, new = edit
                 if old not in text:
                     raise SystemExit(f"variant edit not found in {kernel}: {old!r}")
                 text = text.replace(old, new)
         return text
 
     return orig, src
+
+
+def _scores_time(be, p, w, lw, ik, iq, repeat):
+    """Median GPU seconds of the block-score pass of a planned decode MSA layer on ``be``."""
+    k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
+    ikd = be.upload_index_cache(ik)
+    plan = psa.plan_attention(p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"], block_size=w.block_size,
+                              page_size=w.page_size, num_q_heads=w.Hq, num_kv_heads=w.Hkv, head_dim=w.D,
+                              kv_dtype=w.dtype, topk=w.topk, causal=w.causal, index_dim=lw.index_dim,
+                              num_index_heads=1, index_dtype=w.dtype, backend=be)
+    ts = []
+    for _ in range(repeat + 2):
+        plan.run_sparse(p["q"], k, v, iq, ikd)
+        ts.append(be.last_timings.get("gpu_scores_s", np.nan))
+    plan.close()
+    return float(np.median(ts[2:]))
 
 
 def _time_call(be, p, w, repeat, label):
@@ -84,6 +123,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--sweep", action="store_true", help="block scores: every workgroup size and load schedule")
     ap.add_argument("--quick", action="store_true", help="the bench's small decode workload (a smoke run)")
+    ap.add_argument("--loads-only", action="store_true",
+                    help="only time the decode partials and block scores as they are and with their math left out")
     ap.add_argument("--kernels", nargs="*", default=None,
                     help="only time the partials + combine of one decode call with these partials_kernel choices")
     a = ap.parse_args()
@@ -98,6 +139,31 @@ def main() -> None:
     t_all = time.perf_counter()
     default_wg_pf = (ib.SCORES_DECODE_SG_WG, ib.SCORES_DECODE_SG_PF)
     runs = [(n, {}) for n in names] + [(n, {"robustness": False}) for n in names if n == "dawn"]
+    if a.loads_only:
+        for name, opts in runs:
+            cls = type(registry.get_backend(name))
+            for vname, edits in (("as is", []), ("loads only", LOADS_ONLY[DECODE])):
+                orig, src = _with_edits(edits)
+                _kernels.shader_source = src
+                try:
+                    be = cls(timestamps=True, **opts)
+                    _time_call(be, p, w, a.repeat, f"{name} {opts} partials {vname}")
+                    be.close()
+                finally:
+                    _kernels.shader_source = orig
+            for vname, edits in (("as is", []), ("loads only", LOADS_ONLY[SCORES_SG])):
+                orig, src = _with_edits(edits, SCORES_SG)
+                _kernels.shader_source = src
+                try:
+                    be = cls(timestamps=True, **opts)
+                    sc = _scores_time(be, p, w, lw, ik, iq, a.repeat)
+                    print(f"  {name} {opts} block scores {vname}: {sc * 1e6:8.1f} us "
+                          f"({key_bytes / sc / 1e12:.2f} TB/s of index keys)", flush=True)
+                    be.close()
+                finally:
+                    _kernels.shader_source = orig
+        print(f"done in {time.perf_counter() - t_all:.1f} s")
+        return
     if a.kernels:
         for name, opts in runs:
             cls = type(registry.get_backend(name))
