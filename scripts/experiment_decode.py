@@ -16,7 +16,8 @@ decode layer workload of the bench (B=32, L=32k, Hq=32, Hkv=4, D=128, top-16, f1
 ``--kernels decode sgmat generic`` instead times the partials + combine of one decode call with each
 ``partials_kernel`` choice (and its largest difference to the numpy backend's output);
 ``--loads-only`` times the decode partials and the decode block scores as they are and with their
-arithmetic left out (loads kept), to tell what bounds them.
+arithmetic left out (loads kept), to tell what bounds them, and the block scores with the
+per-position reduction (the joint one turned off).
 
 Each variant runs on a fresh device, so no pipeline is shared between variants.
 """
@@ -56,6 +57,15 @@ LOADS_ONLY = {
                  f"let z{i} = bitcast<f32>((c.u{i}.x ^ c.u{i}.y ^ c.u{i}.z ^ c.u{i}.w) & 0x3fffffffu);")
                 for i in range(4)],
 }
+
+
+# The decode partials' per-key divisions by override constants replaced by shifts and masks for
+# the decode workload (S = 64, RH = 1, EU = 8): whether the runtime's compiler keeps them as
+# divisions (timing only; right only for those constants)
+DIVISION_FREE = [("plan[pages + pos / S]", "plan[pages + (pos >> 6u)]"),
+                 ("    let page = slab / RH;\n    return page * RH * (params.slab_stride * 4u / EU) + ((pos % S) * RH",
+                  "    let page = slab;\n    return page * RH * (params.slab_stride >> 1u) + ((pos & 63u) * RH"),
+                 ("min(pos / S, R - 1u)", "min(pos >> 6u, R - 1u)")]
 
 
 def _with_edits(edits, kernel=DECODE):
@@ -142,7 +152,8 @@ def main() -> None:
     if a.loads_only:
         for name, opts in runs:
             cls = type(registry.get_backend(name))
-            for vname, edits in (("as is", []), ("loads only", LOADS_ONLY[DECODE])):
+            for vname, edits in (("as is", []), ("loads only", LOADS_ONLY[DECODE]),
+                                 ("divisions as shifts (S = 64)", DIVISION_FREE)):
                 orig, src = _with_edits(edits)
                 _kernels.shader_source = src
                 try:
@@ -151,9 +162,11 @@ def main() -> None:
                     be.close()
                 finally:
                     _kernels.shader_source = orig
-            for vname, edits in (("as is", []), ("loads only", LOADS_ONLY[SCORES_SG])):
+            for vname, edits, jr in (("as is", [], True), ("per-position reduction (JR off)", [], False),
+                                     ("loads only", LOADS_ONLY[SCORES_SG], False)):
                 orig, src = _with_edits(edits, SCORES_SG)
                 _kernels.shader_source = src
+                ib.SCORES_DECODE_SG_JR = jr
                 try:
                     be = cls(timestamps=True, **opts)
                     sc = _scores_time(be, p, w, lw, ik, iq, a.repeat)
@@ -162,6 +175,7 @@ def main() -> None:
                     be.close()
                 finally:
                     _kernels.shader_source = orig
+                    ib.SCORES_DECODE_SG_JR = True
         print(f"done in {time.perf_counter() - t_all:.1f} s")
         return
     if a.kernels:

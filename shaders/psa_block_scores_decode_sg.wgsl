@@ -23,6 +23,12 @@
 // workgroup atomics (a max: the same whatever the order, R19). Every sum is in a fixed order
 // (dims within a lane, then the shuffle steps), so results are bitwise deterministic (R19).
 //
+// With JR = 1 (R = 16 lanes and NR = 4 row slots: the MSA decode shape) a chunk's 4 positions x 4
+// slots are reduce-scattered together (see `logits16`): 15 shuffles per chunk instead of 20, and
+// each lane ends with one logit of the chunk (position 2 [r & 8] + [r & 4] of slot 2 [r & 2] +
+// [r & 1]) instead of one per position, so the masking, key and maximum run once per chunk: a
+// quarter of that work, and the same sums in another fixed order (R19).
+//
 // Masking (R10, R22) as in psa_block_scores.wgsl: a position is read only when it is below
 // npos and its page is in the bound chunk (its units stay zero otherwise, and it is never
 // counted); it counts for a row only when also below the row's query_end. Loops run the same
@@ -42,6 +48,7 @@
 //   SG  the device's subgroup size, as the host measured it (lanes = invocation index mod SG)
 //   WG  workgroup size: a multiple of R and of SG
 //   PF  1: the next chunk's loads in flight during a chunk (more registers per lane)
+//   JR  1: a chunk's logits reduce-scattered together (needs R = 16 and NR = 4)
 
 override DV: u32;
 override S: u32;
@@ -54,6 +61,7 @@ override R: u32 = 16u;
 override SG: u32 = 32u;
 override WG: u32 = 128u;
 override PF: u32 = 0u;               // 1: the next chunk's loads in flight during a chunk
+override JR: u32 = 0u;               // 1: a chunk's 4 x 4 logits reduce-scattered together (R = 16, NR = 4)
 override NGRP: u32 = WG / R;         // key groups per workgroup
 const INVALID: u32 = 0xffffffffu;
 const NAN_KEY: u32 = 0xffffffffu;
@@ -203,8 +211,42 @@ fn logit(qs: Queries, x: vec4<f32>, y: vec4<f32>, r: u32) -> f32 {
     return w;
 }
 
+// slots 0..3 of a unit's partial dot products (x: elements 0..3, y: 4..7)
+fn partial4(qs: Queries, u: vec4<u32>) -> vec4<f32> {
+    let x = lo4(u);
+    var p = vec4<f32>(dot(qs.a0, x), dot(qs.a1, x), dot(qs.a2, x), dot(qs.a3, x));
+    if (EU == 8u) {
+        let y = hi4(u);
+        p += vec4<f32>(dot(qs.b0, y), dot(qs.b1, y), dot(qs.b2, y), dot(qs.b3, y));
+    }
+    return p;
+}
+
+// JR = 1: the 4 x 4 logits of a chunk (positions k0 .. k0 + 3, slots 0..3) reduce-scattered over
+// the 16 lanes of the group, halving what is exchanged at each step (8 values, 4, 2, 1): lane r
+// keeps positions {0, 1} or {2, 3} (r & 8), then one of them (r & 4), then slots {0, 1} or {2, 3}
+// (r & 2), then one slot (r & 1). Both lanes of a pair add the same two values (a + b == b + a).
+fn logits16(qs: Queries, c: Chunk, r: u32) -> f32 {
+    let p0 = partial4(qs, c.u0);
+    let p1 = partial4(qs, c.u1);
+    let p2 = partial4(qs, c.u2);
+    let p3 = partial4(qs, c.u3);
+    let b8 = (r & 8u) != 0u;
+    let w0 = select(p0, p2, b8) + subgroupShuffleXor(select(p2, p0, b8), 8u);
+    let w1 = select(p1, p3, b8) + subgroupShuffleXor(select(p3, p1, b8), 8u);
+    let b4 = (r & 4u) != 0u;
+    let v = select(w0, w1, b4) + subgroupShuffleXor(select(w1, w0, b4), 4u);
+    let b2 = (r & 2u) != 0u;
+    let t = select(v.xy, v.zw, b2) + subgroupShuffleXor(select(v.zw, v.xy, b2), 2u);
+    let b1 = (r & 1u) != 0u;
+    return select(t.x, t.y, b1) + subgroupShuffleXor(select(t.y, t.x, b1), 1u);
+}
+
 // the row slot whose logit lane r holds after `logit`
 fn slot_of(r: u32) -> u32 {
+    if (JR == 1u) {  // after `logits16`
+        return 2u * select(0u, 1u, (r & 2u) != 0u) + select(0u, 1u, (r & 1u) != 0u);
+    }
     let ba = select(0u, 1u, (r & (R / 2u)) != 0u);
     let bb = select(0u, 1u, (r & (R / 4u)) != 0u);
     if (NR > 4u) {
@@ -284,6 +326,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             next = load_chunk(pg, k0 + step, npos, r);
         } else {
             c = load_chunk(pg, k0, npos, r);
+        }
+        if (JR == 1u) {
+            // this lane's one logit of the chunk: position k0 + pj of its slot
+            let pj = 2u * select(0u, 1u, (r & 8u) != 0u) + select(0u, 1u, (r & 4u) != 0u);
+            let z = logits16(qs, c, r);
+            let pos = i32(s * BS + k0 + pj);
+            best = max(best, select(0u, logit_key(params.scale * z), c.ok[pj] && pos < qend));
+            continue;
         }
         let z0 = logit(qs, lo4(c.u0), hi4(c.u0), r);
         let z1 = logit(qs, lo4(c.u1), hi4(c.u1), r);

@@ -361,6 +361,66 @@ def test_R22_wgpu_decode_scores_key_groups_equal_rows_kernel(WgpuBackend, seed, 
     assert _decode_score_kernels(groups) <= {"psa_block_scores_decode_sg.wgsl"}
 
 
+def _joint_reduction_ran(backend) -> bool:
+    """Whether the decode key-group kernel was built with the joint reduction (JR = 1)."""
+    return any(k[0] == "psa_block_scores_decode_sg.wgsl" and dict(k[4]).get("JR") == 1
+               for k in backend._device().pipelines)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_R22_R19_decode_scores_joint_reduction_of_16_lane_groups(WgpuBackend, seed, monkeypatch):
+    """Key groups of 16 lanes holding at most 4 rows (the MSA decode shape: float16 rows of 128
+    dims, 4 KV heads) reduce a chunk's 4 positions x 4 rows together (the kernel's JR): the loop
+    reference within R22's bound, NaN and infinities exactly where it has them, the same bits on a
+    second run and with poisoned unread memory, and within the bound of the per-position
+    reduction (JR off). Devices whose subgroups are narrower (lavapipe: 8 lanes) run this test
+    again in a process where llvmpipe uses 512-bit vectors (16-lane subgroups)."""
+    import os
+    import subprocess
+    import sys
+
+    from paged_sparse_attn.backends.wgpu import _index_branch
+
+    be = WgpuBackend(required_limits="default")
+    size = be._device().subgroup[0]
+    if size is None or size < 16:
+        assert "llvmpipe" in be.device_summary, f"subgroups of {size} lanes on {be.device_summary}"
+        env = {**os.environ, "LP_NATIVE_VECTOR_WIDTH": "512"}
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              f"{__file__}::test_R22_R19_decode_scores_joint_reduction_of_16_lane_groups[{seed}]"],
+                             env=env, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:] + run.stderr[-2000:]
+        return
+    rng = np.random.default_rng(300 + seed)
+    B, Hkv = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+    d = int(rng.choice([72, 128]))  # 9 and 16 units of 8 float16: groups of 16 lanes
+    lens = rng.integers(1, 4 * 8 * 2 + 1, size=B)
+    c = make_case(400 + seed, B=B, Hkv=Hkv, msb=4, T=[1] * B, lens=lens, d=d, S=8, ppb=2, shared=bool(seed % 2),
+                  holes=0.0 if seed < 2 else 0.3, dtype=np.float16)
+    if seed == 3:  # NaN and infinite keys at visible positions
+        ik = c["index_k_cache"].copy()
+        ik[c["block_tables"][0, 0], 0, 1, 3] = np.nan
+        ik[c["block_tables"][0, 1], :, 2, :] = -np.inf
+        c = dict(c, index_k_cache=ik)
+    off = WgpuBackend(required_limits="default")
+    for causal in (True, False):
+        got = _scores(c, be, causal)
+        ref = block_scores_reference(*score_args(c), block_size=c["block_size"], causal=causal)
+        bound = score_bound(c, causal)
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        assert np.array_equal(np.isposinf(got), np.isposinf(ref))
+        assert np.array_equal(np.isneginf(got), np.isneginf(ref))
+        assert_scores_close(got, ref, bound)
+        np.testing.assert_array_equal(_scores(c, be, causal), got)
+        keep = _cells_below(c, c["used_kv_lens"])
+        np.testing.assert_array_equal(_scores(dict(c, index_k_cache=_poison(c, rng, keep=keep)), be, causal), got)
+        with monkeypatch.context() as m:
+            m.setattr(_index_branch, "SCORES_DECODE_SG_JR", False)
+            per_position = _scores(c, off, causal)
+        assert_scores_close(per_position, ref, bound)
+    assert _joint_reduction_ran(be) and not _joint_reduction_ran(off)
+
+
 def test_R22_wgpu_decode_scores_key_groups_nan_inf_and_chunks(WgpuBackend, be_split):
     """Visible NaN and infinite index keys reach the decode scores exactly as in the reference; a
     cache split into many binding chunks gives the same bits."""

@@ -42,6 +42,8 @@ SCORES_DECODE_SG = "psa_block_scores_decode_sg.wgsl"  # the same items, key rows
 # (2, 4, 8 items: 123.6, 145.4, 143.2 against 120.0 us in one run) and was not kept.
 SCORES_DECODE_SG_WG = 64
 SCORES_DECODE_SG_PF = 0
+# 16-lane groups of at most 4 rows reduce a chunk's 4 x 4 logits together (the kernel's JR)
+SCORES_DECODE_SG_JR = True
 TOPK = "psa_select_topk.wgsl"
 SCORES_WG = 64  # rows per block-score work item at most (override RT of the shader)
 TOPK_WG = 64
@@ -77,8 +79,9 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
     wg = max(lanes, int(size), min(SCORES_DECODE_SG_WG, wg_limit))
     if wg > wg_limit:
         return None, f"the device allows {wg_limit} invocations per workgroup"
+    nr = 4 if rows <= 4 else 8
     return {"DV": DV, "EU": 16 // itemsize, "R": lanes, "SG": int(size), "WG": wg,
-            "NR": 4 if rows <= 4 else 8, "PF": SCORES_DECODE_SG_PF}, ""
+            "NR": nr, "PF": SCORES_DECODE_SG_PF, "JR": int(SCORES_DECODE_SG_JR and lanes == 16 and nr == 4)}, ""
 
 
 # The tensor-core variant (16x16x16 f16 subgroup matrices; docs/spec/numerics.md, "Block scores
