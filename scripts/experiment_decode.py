@@ -35,6 +35,7 @@ from paged_sparse_attn._validation import validate_forward
 from paged_sparse_attn.backends.wgpu import _index_branch as ib
 from paged_sparse_attn.backends.wgpu import _kernels
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, QUICK_LAYER_WORKLOADS
+from paged_sparse_attn.bench.layer import _plan as layer_plan
 from paged_sparse_attn.bench.workloads import make_problem
 
 DECODE = "psa_partials_decode.wgsl"
@@ -95,10 +96,7 @@ def _scores_time(be, p, w, lw, ik, iq, repeat):
     """Median GPU seconds of the block-score pass of a planned decode MSA layer on ``be``."""
     k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
     ikd = be.upload_index_cache(ik)
-    plan = psa.plan_attention(p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"], block_size=w.block_size,
-                              page_size=w.page_size, num_q_heads=w.Hq, num_kv_heads=w.Hkv, head_dim=w.D,
-                              kv_dtype=w.dtype, topk=w.topk, causal=w.causal, index_dim=lw.index_dim,
-                              num_index_heads=1, index_dtype=w.dtype, backend=be)
+    plan = layer_plan(be, lw, p)
     ts = []
     for _ in range(repeat + 2):
         plan.run_sparse(p["q"], k, v, iq, ikd)
@@ -203,10 +201,7 @@ def main() -> None:
             be._decode_scores_sg = sg
             k, v = be.upload_kv_cache(p["k_cache"], p["v_cache"])
             ikd = be.upload_index_cache(ik)
-            plan = psa.plan_attention(p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"], block_size=w.block_size,
-                                      page_size=w.page_size, num_q_heads=w.Hq, num_kv_heads=w.Hkv, head_dim=w.D,
-                                      kv_dtype=w.dtype, topk=w.topk, causal=w.causal, index_dim=lw.index_dim,
-                                      num_index_heads=1, index_dtype=w.dtype, backend=be)
+            plan = layer_plan(be, lw, p)
             ts, sel = [], None
             for i in range(a.repeat + 2):
                 out = plan.run_sparse(p["q"], k, v, iq, ikd)
