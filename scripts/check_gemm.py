@@ -2,7 +2,7 @@
 
 Run on a machine with Dawn (the ``wgpudawn`` package) and a GPU with f16 subgroup matrices:
 
-    python scripts/check_gemm.py [--backend dawn] [--size 4096] [--repeat 10] [--no-torch]
+    python scripts/check_gemm.py [--backend dawn] [--size 4096] [--repeat 10] [--no-torch] [--no-robustness]
 
 For each variant of ``_ceilings.GEMM_VARIANTS`` (the naive ``psa_gemm_sgmat.wgsl`` and the
 workgroup-memory tiled ``psa_gemm_sgmat_tiled.wgsl`` in several block shapes) it prints one line:
@@ -49,9 +49,16 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-torch", action="store_true", help="do not time torch's bf16 matmul")
+    ap.add_argument("--no-robustness", action="store_true",
+                    help="open Dawn without its bounds checks (DawnBackend(robustness=False))")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    be = registry.get_backend(a.backend)
+    if a.no_robustness:
+        from paged_sparse_attn.backends.wgpu.backend import DawnBackend
+
+        be = DawnBackend(robustness=False)
+    else:
+        be = registry.get_backend(a.backend)
     ctx = be.device_context
     print(f"device: {ctx.summary} ({ctx.runtime.name}); subgroup matrices {sorted(ctx.sgmat)}; subgroup size "
           f"{subgroup_size(ctx)[0]}; workgroup memory {ctx.workgroup_storage} B; invocations {ctx.max_invocations}",

@@ -9,7 +9,14 @@
 // Tiles. A workgroup of SGM x SGN subgroups of 32 (WG = 32 SGM SGN invocations) owns a
 // BM x BN block of C (BM = 16 TM SGM, BN = 16 TN SGN); subgroup sg (the `subgroup_id` builtin)
 // owns the (16 TM) x (16 TN) sub-block at subgroup row sg / SGN and column sg % SGN, as TM x TN
-// 16 x 16 f32 result matrices. K is walked in steps of BK (a multiple of 16). Per step the
+// 16 x 16 f32 result matrices.
+//
+// One variable per matrix. The result matrices are acc00 .. acc33 and the right-hand ones r0 ..
+// r3, each used under an `if` on the override constants (folded when the pipeline is made), not
+// elements of function-scope arrays indexed in loops: on the H200 (Dawn, NVIDIA's Vulkan driver)
+// such arrays made every block shape larger than 64 x 64 slower, 4096^3 at 55 TFLOP/s at best;
+// written out, the same algorithm ran 123 TFLOP/s (128 x 256 blocks), 185 without bounds checks
+// (scripts/experiment_gemm.py). K is walked in steps of BK (a multiple of 16). Per step the
 // workgroup stages the A tile [BM][BK] and the B tile [BK][BN] in workgroup memory, every
 // invocation copying whole 16-byte units (vec4<u32>, 8 halves, coalesced along rows) that it has
 // read from storage into registers; then each subgroup, for each 16 of the BK columns, loads its
@@ -69,7 +76,7 @@ override B_ROW_UNITS: u32 = BN / 8u;
 override A_UNITS: u32 = BM * A_ROW_UNITS / WG;  // units of A each invocation copies per step
 override B_UNITS: u32 = BK * B_ROW_UNITS / WG;
 
-const MAX_T: u32 = 4u;      // largest TM and TN (function arrays need a constant size)
+const MAX_T: u32 = 4u;      // largest TM and TN (the variables acc00 .. acc33, r0 .. r3)
 const MAX_UNITS: u32 = 8u;  // largest A_UNITS and B_UNITS
 
 struct Params {
@@ -136,8 +143,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let scol = (sg % SGN) * 16u * TN;
     let steps = k_len / BK;
 
-    var acc: array<Result, MAX_T * MAX_T>;  // (i, j) at i * MAX_T + j; zero-initialised
-    var right: array<Right, MAX_T>;
+    // result (i, j) in acc{i}{j} (zero-initialised); right-hand matrix j in r{j}
+    var acc00: Result; var acc01: Result; var acc02: Result; var acc03: Result;
+    var acc10: Result; var acc11: Result; var acc12: Result; var acc13: Result;
+    var acc20: Result; var acc21: Result; var acc22: Result; var acc23: Result;
+    var acc30: Result; var acc31: Result; var acc32: Result; var acc33: Result;
+    var r0: Right; var r1: Right; var r2: Right; var r3: Right;
     var ra: array<vec4<u32>, MAX_UNITS>;    // the next step's units, in flight
     var rb: array<vec4<u32>, MAX_UNITS>;
 
@@ -176,14 +187,39 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let sa0 = (t % STAGES) * A_STAGE + srow * SA;
         let sb0 = (t % STAGES) * B_STAGE + scol;
         for (var kk = 0u; kk < BK; kk += 16u) {
-            for (var j = 0u; j < TN; j++) {
-                right[j] = subgroupMatrixLoad<Right, row_major>(&sb, sb0 + kk * SB + 16u * j, SB);
+            let sbk = sb0 + kk * SB;
+            if (TN > 0u) { r0 = subgroupMatrixLoad<Right, row_major>(&sb, sbk, SB); }
+            if (TN > 1u) { r1 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 16u, SB); }
+            if (TN > 2u) { r2 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 32u, SB); }
+            if (TN > 3u) { r3 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 48u, SB); }
+            // left-hand matrices one at a time: row i of result tiles
+            if (TM > 0u) {
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + kk, SA);
+                if (TN > 0u) { acc00 = subgroupMatrixMultiplyAccumulate(l, r0, acc00); }
+                if (TN > 1u) { acc01 = subgroupMatrixMultiplyAccumulate(l, r1, acc01); }
+                if (TN > 2u) { acc02 = subgroupMatrixMultiplyAccumulate(l, r2, acc02); }
+                if (TN > 3u) { acc03 = subgroupMatrixMultiplyAccumulate(l, r3, acc03); }
             }
-            for (var i = 0u; i < TM; i++) {
-                let left = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 16u * i * SA + kk, SA);
-                for (var j = 0u; j < TN; j++) {
-                    acc[i * MAX_T + j] = subgroupMatrixMultiplyAccumulate(left, right[j], acc[i * MAX_T + j]);
-                }
+            if (TM > 1u) {
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 16u * SA + kk, SA);
+                if (TN > 0u) { acc10 = subgroupMatrixMultiplyAccumulate(l, r0, acc10); }
+                if (TN > 1u) { acc11 = subgroupMatrixMultiplyAccumulate(l, r1, acc11); }
+                if (TN > 2u) { acc12 = subgroupMatrixMultiplyAccumulate(l, r2, acc12); }
+                if (TN > 3u) { acc13 = subgroupMatrixMultiplyAccumulate(l, r3, acc13); }
+            }
+            if (TM > 2u) {
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 32u * SA + kk, SA);
+                if (TN > 0u) { acc20 = subgroupMatrixMultiplyAccumulate(l, r0, acc20); }
+                if (TN > 1u) { acc21 = subgroupMatrixMultiplyAccumulate(l, r1, acc21); }
+                if (TN > 2u) { acc22 = subgroupMatrixMultiplyAccumulate(l, r2, acc22); }
+                if (TN > 3u) { acc23 = subgroupMatrixMultiplyAccumulate(l, r3, acc23); }
+            }
+            if (TM > 3u) {
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 48u * SA + kk, SA);
+                if (TN > 0u) { acc30 = subgroupMatrixMultiplyAccumulate(l, r0, acc30); }
+                if (TN > 1u) { acc31 = subgroupMatrixMultiplyAccumulate(l, r1, acc31); }
+                if (TN > 2u) { acc32 = subgroupMatrixMultiplyAccumulate(l, r2, acc32); }
+                if (TN > 3u) { acc33 = subgroupMatrixMultiplyAccumulate(l, r3, acc33); }
             }
         }
         if (more) {
@@ -204,9 +240,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 
     let c0 = (row0 + srow) * n + col0 + scol;
-    for (var i = 0u; i < TM; i++) {
-        for (var j = 0u; j < TN; j++) {
-            subgroupMatrixStore<row_major>(&c, c0 + 16u * i * n + 16u * j, acc[i * MAX_T + j], n);
-        }
-    }
+    let c1 = c0 + 16u * n;
+    let c2 = c0 + 32u * n;
+    let c3 = c0 + 48u * n;
+    if (TM > 0u && TN > 0u) { subgroupMatrixStore<row_major>(&c, c0, acc00, n); }
+    if (TM > 0u && TN > 1u) { subgroupMatrixStore<row_major>(&c, c0 + 16u, acc01, n); }
+    if (TM > 0u && TN > 2u) { subgroupMatrixStore<row_major>(&c, c0 + 32u, acc02, n); }
+    if (TM > 0u && TN > 3u) { subgroupMatrixStore<row_major>(&c, c0 + 48u, acc03, n); }
+    if (TM > 1u && TN > 0u) { subgroupMatrixStore<row_major>(&c, c1, acc10, n); }
+    if (TM > 1u && TN > 1u) { subgroupMatrixStore<row_major>(&c, c1 + 16u, acc11, n); }
+    if (TM > 1u && TN > 2u) { subgroupMatrixStore<row_major>(&c, c1 + 32u, acc12, n); }
+    if (TM > 1u && TN > 3u) { subgroupMatrixStore<row_major>(&c, c1 + 48u, acc13, n); }
+    if (TM > 2u && TN > 0u) { subgroupMatrixStore<row_major>(&c, c2, acc20, n); }
+    if (TM > 2u && TN > 1u) { subgroupMatrixStore<row_major>(&c, c2 + 16u, acc21, n); }
+    if (TM > 2u && TN > 2u) { subgroupMatrixStore<row_major>(&c, c2 + 32u, acc22, n); }
+    if (TM > 2u && TN > 3u) { subgroupMatrixStore<row_major>(&c, c2 + 48u, acc23, n); }
+    if (TM > 3u && TN > 0u) { subgroupMatrixStore<row_major>(&c, c3, acc30, n); }
+    if (TM > 3u && TN > 1u) { subgroupMatrixStore<row_major>(&c, c3 + 16u, acc31, n); }
+    if (TM > 3u && TN > 2u) { subgroupMatrixStore<row_major>(&c, c3 + 32u, acc32, n); }
+    if (TM > 3u && TN > 3u) { subgroupMatrixStore<row_major>(&c, c3 + 48u, acc33, n); }
 }

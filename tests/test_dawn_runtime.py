@@ -62,3 +62,15 @@ def test_no_subgroup_matrix_configurations_without_the_feature(null_adapter):
     # the Null adapter offers the feature but no configuration: nothing may be assumed
     assert DAWN.subgroup_matrix_configs(null_adapter) == frozenset()
     assert WGPU_NATIVE.subgroup_matrix_configs(null_adapter) == frozenset()
+
+
+def test_backend_says_whether_its_bounds_checks_are_on(monkeypatch):
+    """``DawnBackend.robustness`` is what the bench reads to add its unchecked GEMM ceiling: it
+    must follow the option and map to the device toggle (the shared constructor, which probes
+    for a GPU, is left out: no adapter is needed for this)."""
+    from paged_sparse_attn.backends.wgpu.backend import DawnBackend, WgpuBackend
+
+    monkeypatch.setattr(WgpuBackend, "__init__", lambda self, **options: None)
+    on, off = DawnBackend(), DawnBackend(robustness=False)
+    assert on.robustness is True and on._device_toggles == ()
+    assert off.robustness is False and off._device_toggles == ("disable_robustness",)

@@ -788,5 +788,6 @@ class DawnBackend(WgpuBackend):
         the kernels index only with validated and planned values and check device-resident
         selections themselves (R31), but the checks are what protects against a kernel bug.
         Every other option is :class:`WgpuBackend`'s."""
+        self.robustness = bool(robustness)
         self._device_toggles = () if robustness else ("disable_robustness",)
         super().__init__(**options)
