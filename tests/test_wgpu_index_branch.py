@@ -491,3 +491,33 @@ def test_R22_score_keys_decode_to_the_floats_they_encode():
     np.testing.assert_array_equal(encode(dec[finite]), keys[finite])
     edge = decode_score_keys(np.array([0, 0xFFFFFFFF], np.uint32))
     assert edge[0] == -np.inf and np.isnan(edge[1])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_R22_R24_wgpu_index_kernels_give_the_same_bits_without_runtime_checks(WgpuBackend, seed):
+    """The index-branch kernels are compiled without naga's runtime checks (trusted, like the
+    attention kernels: every index comes from validated arrays and the host's plan); block scores
+    and selections have the same bits as with the checks, on decode and multi-query items, both
+    dtypes, NaN / inf in cells nothing may see included (a clamped out-of-range access, or a
+    read of one, would change them)."""
+    on = WgpuBackend(required_limits="default", runtime_checks=True)
+    off = WgpuBackend(required_limits="default")
+    rng = np.random.default_rng(300 + seed)
+    B = int(rng.integers(1, 4))
+    T = rng.integers(0, 2, size=B) if seed % 2 else rng.integers(1, 6, size=B)
+    T[0] = max(int(T[0]), 1)  # at least one query: kernels run
+    c = make_case(300 + seed, B=B, Hkv=int(rng.integers(1, 5)), msb=int(rng.integers(2, 6)), T=T,
+                  d=int(rng.choice([4, 8, 16])), shared=bool(seed % 3), dtype=(np.float16, np.float32)[seed % 2])
+    c["index_k_cache"] = _poison(c, rng, keep=_cells_below(c, c["used_kv_lens"]))  # NaN / inf where no query sees
+    tk = dict(cu_seqlens_q=c["cu_seqlens_q"], used_kv_lens=c["used_kv_lens"], block_size=c["block_size"])
+    for causal in (True, False):
+        a, b = _scores(c, on, causal), _scores(c, off, causal)
+        assert a.tobytes() == b.tobytes()
+        k = min(2, a.shape[2])
+        sa = select_topk(a, k, force_local=causal, backend=on, **tk)
+        sb = select_topk(a, k, force_local=causal, backend=off, **tk)
+        assert np.array_equal(sa, sb)
+    # the kernels did run with and without the checks (pipeline keys: kernel, entry, f16, checks, ...)
+    built = {(k[0], k[3]) for be in (on, off) for k in be._device().pipelines}
+    names = {k for k, _ in built if "block_scores" in k or "select_topk" in k}
+    assert names and all((n, True) in built and (n, False) in built for n in names)

@@ -363,8 +363,9 @@ class IndexBranchMixin:
                 raise
 
     def _ib_pipeline(self, kernel: str, f16: bool, constants: dict):
-        """(pipeline, bind group layout) of an index-branch kernel of the kernel table."""
-        return pipeline(self._device(), kernel, constants, f16=f16)
+        """(pipeline, bind group layout) of an index-branch kernel of the kernel table; the
+        table's trusted kernels without runtime checks unless ``runtime_checks=True``."""
+        return pipeline(self._device(), kernel, constants, f16=f16, checks=self._runtime_checks)
 
     # --- block scores ----------------------------------------------------------------------------
 

@@ -43,12 +43,13 @@ KERNEL_TABLE: dict[str, Kernel] = {
     # the KV-outer inversion on the device (R13, R31, R33)
     "psa_invert.wgsl": Kernel("urrwrwwww"),
     "psa_scan.wgsl": Kernel("urw"),
-    # the index branch (R22, R24)
-    "psa_block_scores.wgsl": Kernel("urrrrw", f16=True, subgroups=True),
-    "psa_block_scores_decode.wgsl": Kernel("urrrrw", f16=True),
-    "psa_block_scores_decode_sg.wgsl": Kernel("urrrrw", subgroups=True),  # index keys as 16-byte units, any dtype
-    "psa_block_scores_sgmat.wgsl": Kernel("urrrrw", sgmat=True),  # float16 HND index keys, tensor cores
-    "psa_select_topk.wgsl": Kernel("urrw"),
+    # the index branch (R22, R24); its indexes come from validated index arrays and block tables
+    # and the host's plan, like the attention kernels'
+    "psa_block_scores.wgsl": Kernel("urrrrw", f16=True, trusted=True, subgroups=True),
+    "psa_block_scores_decode.wgsl": Kernel("urrrrw", f16=True, trusted=True),
+    "psa_block_scores_decode_sg.wgsl": Kernel("urrrrw", trusted=True, subgroups=True),  # index keys as 16-byte units
+    "psa_block_scores_sgmat.wgsl": Kernel("urrrrw", trusted=True, sgmat=True),  # float16 HND index keys, tensor cores
+    "psa_select_topk.wgsl": Kernel("urrw", trusted=True),
     # ceilings the benchmark measures (no attention kernel)
     "psa_gemm_sgmat.wgsl": Kernel("urrw", sgmat=True),
     "psa_gemm_sgmat_tiled.wgsl": Kernel("urrw", sgmat=True),  # operands staged in workgroup memory
