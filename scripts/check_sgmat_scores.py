@@ -293,43 +293,6 @@ def _usage():
     return w.BufferUsage
 
 
-class lo_products_kept:
-    """Within the block, the tensor-core kernel multiplies every lo tile, zero or not
-    (``SKIP_ZERO_LO=false``): the reference for the skip's bit-identity."""
-
-    def __enter__(self):
-        self.orig = ib.sgmat_scores_constants
-
-        def constants(*a, **k):
-            c, why = self.orig(*a, **k)
-            return (None if c is None else {**c, "SKIP_ZERO_LO": False}), why
-
-        ib.sgmat_scores_constants = constants
-
-    def __exit__(self, *exc):
-        ib.sgmat_scores_constants = self.orig
-
-
-def bf16_values(x: np.ndarray) -> np.ndarray:
-    """float32 array of bfloat16 values (mantissas cut to 8 bits; NaN and +-inf stay)."""
-    return (np.ascontiguousarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
-
-
-def skip_check(be, name, p, sgmat: str) -> None:
-    """Queries of bfloat16 values: the tensor-core kernel skips its zero lo tiles; the scores
-    must have the same bits as with every lo product kept (and meet R22 against the reference)."""
-    kw = dict(block_size=p["block_size"], causal=True)
-    USED.clear()
-    got = np.asarray(block_scores(*args_of(p), **kw, backend=be))
-    ran = USED[-1] if USED else "?"
-    with lo_products_kept():
-        USED.clear()
-        full = np.asarray(block_scores(*args_of(p), **kw, backend=be))
-    kept = USED[-1] if USED else "?"
-    report(sgmat in ran and "SKIP_ZERO_LO" in kept and got.tobytes() == full.tobytes(), f"zero-lo skip {name}",
-           f"same bits as with every lo product ({ran} / {kept})")
-
-
 class forced_fma:
     """Within the block, the backend never picks the tensor-core kernel (the FMA kernel runs)."""
 
@@ -389,25 +352,7 @@ def main() -> int:
         print(f"     tensor-core vs FMA kernel on the prefill shape: max |diff| "
               f"{np.abs(got[fin] - fma[fin]).max():.3g}, identical -inf pattern "
               f"{np.array_equal(np.isneginf(got), np.isneginf(fma))}", flush=True)
-    # bfloat16-valued queries (a model's index projections): the zero-lo skip, small and large
-    for i, (T, L) in enumerate((([40], [300]), ([70, 5, 33], [1000, 64, 2000]), ([64], [4096]))):
-        sp = problem(rng, T, L, Hkv=4, unmapped=0.2)
-        sp["index_q"] = bf16_values(sp["index_q"])
-        if i == 1:  # a NaN and an inf query row: their tiles keep the lo products
-            sp["index_q"][3, 1, 7] = np.nan
-            sp["index_q"][50, 2, 0] = np.inf
-        check_small(be, f"bf16 queries T={T} L={L}", sp, want_kernel=sgmat)
-        skip_check(be, f"T={T} L={L}", sp, sgmat)
-    pre16 = dict(pre, index_q=bf16_values(pre["index_q"]))
-    if not a.quick:
-        big_check(be, "prefill Tq=4096 L=32k bf16 queries", pre16, want_kernel=sgmat)
-        skip_check(be, "prefill Tq=4096 L=32k", pre16, sgmat)
     print(f"(checks done at {time.perf_counter() - t_start:.1f} s)", flush=True)
-    t16, k16 = gpu_time(be, pre16, a.repeat)
-    with lo_products_kept():
-        t16k, k16k = gpu_time(be, pre16, a.repeat)
-    print(f"TIME block scores prefill, bfloat16-valued queries: {k16}: {t16 * 1e3:.3f} ms (lo tiles skipped); "
-          f"{k16k}: {t16k * 1e3:.3f} ms (every lo product)", flush=True)
     t_sg, k_sg = gpu_time(be, pre, a.repeat)
     with forced_fma(be):
         t_fma, k_fma = gpu_time(be, pre, a.repeat)

@@ -26,12 +26,6 @@
 //    HS = 16 ND + 8 halves; zeros past the item's rows) by the whole workgroup, and the tile's
 //    subgroup loads its ND hi and ND lo left matrices (h0 .. h7, l0 .. l7); they stay in
 //    registers for the item run.
-// 3a. Zero lo tiles. Where every staged lo of a 16-row tile is zero (queries of at most 11
-//    significant bits: float16 or bfloat16 values, as a model's projections give them) the tile's
-//    subgroup skips the lo products (SKIP_ZERO_LO). Bit-identical: a product of a zero matrix adds
-//    exact zeros to an accumulator that starts at +0 and so never holds -0, which leaves it as it
-//    is. The staging subgroups vote (subgroupAny) per tile into lo_nz; the choice depends only on
-//    the item's own queries (R19).
 // 4. Keys straight from storage. A 16-position tile of a block lies in one page (S, BS multiples
 //    of 16), so its keys are 16 consecutive rows of one slab: each right matrix (16 dims x 16
 //    positions) is loaded column-major from `ik` (stride 4 DV halves). A tile whose page is
@@ -61,9 +55,8 @@
 //   DV  vec4s per index row (d_idx / 4: a multiple of 4, at most 32)   S  page size   BS  block size
 //   RT  rows per item: 16, 32 or 64 (>= the host's rows per item)
 //   NT  16-position tiles per step: 1, 2 or 4      IPW  work items per workgroup (>= 1)
-//   SKIP_ZERO_LO  skip the lo products of tiles whose lo are all zero (3a; false only to compare)
-// Workgroup memory (bytes): 2 * 2 * 16 HS (HS = 136) + 4 * 2 * 4 * 16 (16 NT + 4) + 16 * 64 + 16
-// (_index_branch.sgmat_scores_workgroup_bytes: 19984, 28176, 44560 for NT = 1, 2, 4). Needs subgroups of 32 consecutive invocations.
+// Workgroup memory (bytes): 2 * 2 * 16 HS (HS = 136) + 4 * 2 * 4 * 16 (16 NT + 4) + 16 * 64
+// (_index_branch.sgmat_scores_workgroup_bytes: 19968, 28160, 44544 for NT = 1, 2, 4). Needs subgroups of 32 consecutive invocations.
 // The loader prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
 
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
@@ -77,7 +70,6 @@ override BS: u32;
 override RT: u32 = 64u;
 override NT: u32 = 2u;
 override IPW: u32 = 8u;
-override SKIP_ZERO_LO: bool = true;
 override ND: u32 = DV / 4u;              // 16-dim chunks of a row (1 .. 8)
 override RW: u32 = 16u * NT + 4u;        // f32 row stride of a result buffer
 override RB: u32 = 16u * RW;             // f32 of one result buffer (16 rows)
@@ -118,7 +110,6 @@ struct Params {
 var<workgroup> qs: array<f16, 2u * QH>;           // one staged 16-row query tile: hi, then lo
 var<workgroup> res: array<f32, 2u * NSG * RB>;    // S' of a step: [subgroup][buffer][row][position]
 var<workgroup> rinf: array<vec4<f32>, 64>;        // per row: (2^-e, 1 if the query is not finite, 0, 0)
-var<workgroup> lo_nz: array<u32, 4>;              // per staging subgroup: 1 if a staged lo is not zero
 
 alias Left = subgroup_matrix_left<f16, 16, 16>;
 alias Right = subgroup_matrix_right<f16, 16, 16>;
@@ -188,21 +179,14 @@ fn stage_tile(i: u32, lid: u32, r0: u32, n_rows: u32, t0: u32, nh: u32, h_off: u
         // counts as 2^-127 (e = 126)
         let e = clamp(14 - (max(i32(mb >> 23u), 0) - 127), -113, 126);
         let sc = pow2(e);
-        var nz = false;
         for (var m = 0u; m < 4u; m++) {
             let j = q + 8u * m;
             if (j < DV) {
                 let xs = v[m] * sc;  // zeros for rows past the item's
                 let h = hi11(xs);
-                let lo = vec4<f16>(xs - h);
                 put4(rr * HS + 4u * j, vec4<f16>(h));
-                put4(QH + rr * HS + 4u * j, lo);
-                nz = nz || any(lo != vec4<f16>(0.0));  // NaN lo counts as not zero
+                put4(QH + rr * HS + 4u * j, vec4<f16>(xs - h));
             }
-        }
-        let any_nz = subgroupAny(nz);
-        if (lid % 32u == 0u) {
-            lo_nz[lid / 32u] = select(0u, 1u, any_nz);
         }
         if (q == 0u && r < RT) {
             rinf[r] = vec4<f32>(pow2(-e), select(0.0, 1.0, live && mb >= 0x7f800000u), 0.0, 0.0);
@@ -248,7 +232,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var h4: Left; var h5: Left; var h6: Left; var h7: Left;
     var l0: Left; var l1: Left; var l2: Left; var l3: Left;
     var l4: Left; var l5: Left; var l6: Left; var l7: Left;
-    var has_lo = true;               // this subgroup's tile has a lo that is not zero (3a)
     var prev = vec4<u32>(INVALID);   // (t0, r0, n_rows, nh) of the staged rows
     var prev_h = INVALID;            // and h_off
     var par = 0u;                    // result buffer of the next step
@@ -277,7 +260,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 stage_tile(i, lid, r0, n_rows, t0, nh, h_off);
                 workgroupBarrier();
                 if (sg == i) {
-                    has_lo = !SKIP_ZERO_LO || (lo_nz[0] | lo_nz[1] | lo_nz[2] | lo_nz[3]) != 0u;
                     if (ND > 0u) { h0 = subgroupMatrixLoad<Left, row_major>(&qs, 0u, HS); l0 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 0u, HS); }
                     if (ND > 1u) { h1 = subgroupMatrixLoad<Left, row_major>(&qs, 16u, HS); l1 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 16u, HS); }
                     if (ND > 2u) { h2 = subgroupMatrixLoad<Left, row_major>(&qs, 32u, HS); l2 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 32u, HS); }
@@ -307,10 +289,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 if (tp < npos) {
                     kb = key_row(pg, tp);
                 }
-                // (a subgroup without rows idles; one branch per tile: a test around each lo
-                // product made the pass 2.3 x slower on the H200)
-                let run = kb != INVALID && 16u * sg < n_rows;
-                if (run && has_lo) {
+                if (kb != INVALID && 16u * sg < n_rows) {  // (a subgroup without rows idles)
                     if (ND > 0u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 0u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h0, b, acc);
@@ -350,40 +329,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 112u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h7, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l7, b, acc);
-                    }
-                }
-                if (run && !has_lo) {
-                    if (ND > 0u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 0u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h0, b, acc);
-                    }
-                    if (ND > 1u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 16u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h1, b, acc);
-                    }
-                    if (ND > 2u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 32u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h2, b, acc);
-                    }
-                    if (ND > 3u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 48u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h3, b, acc);
-                    }
-                    if (ND > 4u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 64u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h4, b, acc);
-                    }
-                    if (ND > 5u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 80u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h5, b, acc);
-                    }
-                    if (ND > 6u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 96u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h6, b, acc);
-                    }
-                    if (ND > 7u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 112u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h7, b, acc);
                     }
                 }
                 subgroupMatrixStore<row_major>(&res, rb + 16u * u, acc, RW);

@@ -103,9 +103,8 @@ SGMAT_SCORES_AUTO = True
 def sgmat_scores_workgroup_bytes(nt: int = SGMAT_SCORES_NT) -> int:
     """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable a whole number of 16-byte
     units, as Dawn counts it): the staged query tile (hi and lo, 16 rows of 136 halves), two
-    result buffers of 16 x (16 NT + 4) floats per subgroup (4 subgroups), the 64 row records and
-    the 4 zero-lo votes."""
-    return 2 * 2 * 16 * 136 + 4 * 2 * 4 * 16 * (16 * int(nt) + 4) + 16 * 64 + 16
+    result buffers of 16 x (16 NT + 4) floats per subgroup (4 subgroups), the 64 row records."""
+    return 2 * 2 * 16 * 136 + 4 * 2 * 4 * 16 * (16 * int(nt) + 4) + 16 * 64
 
 
 def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd: bool,
