@@ -26,24 +26,18 @@
 //    HS = 16 ND + 8 halves; zeros past the item's rows) by the whole workgroup, and the tile's
 //    subgroup loads its ND hi and ND lo left matrices (h0 .. h7, l0 .. l7); they stay in
 //    registers for the item run.
-// 4. Keys staged once per workgroup. A 16-position tile of a block lies in one page (S, BS
-//    multiples of 16), so its keys are 16 consecutive rows of one slab. Each step the whole
-//    workgroup copies the step's NT tiles from `ik` into `ks` (16-byte units, coalesced along
-//    rows; rows of HS halves) and every subgroup loads its right matrices (16 dims x 16
-//    positions) column-major from there. A tile whose page is unmapped or in another chunk is
-//    not copied nor multiplied (its accumulator stays zero, its positions are invisible).
-//    Positions past npos in a copied page are read (whole slabs are bound) but only reach their
-//    own result column, which the fold never takes. (Loaded straight from storage by each
-//    subgroup, the keys took 3.6 of the 5.4 ms of the prefill pass on the H200: without any
-//    product nor key load it took 1.8 ms, without the lo products 5.8;
-//    scripts/experiment_scores_split.py.)
+// 4. Keys straight from storage. A 16-position tile of a block lies in one page (S, BS multiples
+//    of 16), so its keys are 16 consecutive rows of one slab: each right matrix (16 dims x 16
+//    positions) is loaded column-major from `ik` (stride 4 DV halves). A tile whose page is
+//    unmapped or in another chunk is not loaded (its accumulator stays zero, its positions are
+//    invisible). Positions past npos in a loaded page are read (whole slabs are bound) but only
+//    reach their own result column, which the fold never takes.
 // 5. Steps of NT tiles: acc = sum over the ND chunks of (hi . K^T + lo . K^T) (a fixed order,
-//    R19) is stored to the subgroup's result buffer while the next step's keys are loaded into
-//    registers, which then go to the other key buffer; one barrier per step (and one per item,
-//    after its first step's keys): keys and results have two buffers each, alternating by step. Lane l then folds
-//    row 16 sg + l / 2, positions 8 (l % 2) .. + 7 of every tile, into a running key in a
-//    register (z = scale (S' 2^-e) where visible, as the FMA kernel's `select`); after the item
-//    the two lanes of a row combine (subgroupShuffleXor) and one writes max(out, key).
+//    R19), stored to the subgroup's result buffer (two buffers per subgroup, alternating: one
+//    barrier per step); lane l then folds row 16 sg + l / 2, positions 8 (l % 2) .. + 7 of every
+//    tile, into a running key in a register (z = scale (S' 2^-e) where visible, as the FMA
+//    kernel's `select`); after the item the two lanes of a row combine (subgroupShuffleXor) and
+//    one writes max(out, key).
 //
 // Exact special cases (R22, R26). With finite operands no scaled product or sum overflows
 // (|hi|, |lo| < 2^15, |k| <= 65504, 128 terms: < 2^38), so a non-finite S' means a key of that
@@ -54,16 +48,15 @@
 // as IEEE arithmetic gives them. Positions a row does not see never reach its key. The choice
 // depends only on the item's own queries and keys: deterministic (R19).
 //
-// Bindings (group 0): as psa_block_scores.wgsl; `ik` is read as 16-byte units of 8 halves
-// (float16 index keys, HND slabs: RH = 1, rows of 4 DV halves, DV / 2 units).
+// Bindings (group 0): as psa_block_scores.wgsl; `ik` is read as f16 (float16 index keys, HND
+// slabs: RH = 1, rows of 4 DV halves).
 //
 // Override constants
 //   DV  vec4s per index row (d_idx / 4: a multiple of 4, at most 32)   S  page size   BS  block size
 //   RT  rows per item: 16, 32 or 64 (>= the host's rows per item)
-//   NT  16-position tiles per step: 1 or 2         IPW  work items per workgroup (>= 1)
+//   NT  16-position tiles per step: 1, 2 or 4      IPW  work items per workgroup (>= 1)
 // Workgroup memory (bytes): 2 * 2 * 16 HS (HS = 136) + 4 * 2 * 4 * 16 (16 NT + 4) + 16 * 64
-// + 2 * 2 * 16 NT HS (_index_branch.sgmat_scores_workgroup_bytes: 28672 and 45568 for NT = 1, 2;
-// NT = 4 does not fit 48 KiB). Needs subgroups of 32 consecutive invocations.
+// (_index_branch.sgmat_scores_workgroup_bytes: 19968, 28160, 44544 for NT = 1, 2, 4). Needs subgroups of 32 consecutive invocations.
 // The loader prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
 
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
@@ -81,9 +74,6 @@ override ND: u32 = DV / 4u;              // 16-dim chunks of a row (1 .. 8)
 override RW: u32 = 16u * NT + 4u;        // f32 row stride of a result buffer
 override RB: u32 = 16u * RW;             // f32 of one result buffer (16 rows)
 override KS: u32 = 4u * DV;              // f16 row stride of the keys in storage
-override KU: u32 = DV / 2u;              // 16-byte units of a key row
-override KT: u32 = 16u * NT * HS;        // halves of one staged step of keys
-override UPI: u32 = (16u * NT * KU + WG - 1u) / WG;  // key units each invocation copies per step (<= 4)
 const NSG: u32 = 4u;                     // subgroups = 16-row tiles
 const WG: u32 = 128u;
 // The staged query tile has a constant size that holds every matrix load of the shader, even
@@ -110,7 +100,7 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> iq: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> ik: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> ik: array<f16>;
 @group(0) @binding(3) var<storage, read> pages: array<u32>;
 @group(0) @binding(4) var<storage, read> plan: array<u32>;
 @group(0) @binding(5) var<storage, read_write> out: array<u32>;
@@ -120,7 +110,6 @@ struct Params {
 var<workgroup> qs: array<f16, 2u * QH>;           // one staged 16-row query tile: hi, then lo
 var<workgroup> res: array<f32, 2u * NSG * RB>;    // S' of a step: [subgroup][buffer][row][position]
 var<workgroup> rinf: array<vec4<f32>, 64>;        // per row: (2^-e, 1 if the query is not finite, 0, 0)
-var<workgroup> ks: array<f16, 2u * KT>;           // keys of a step: [buffer][position][dim], row stride HS
 
 alias Left = subgroup_matrix_left<f16, 16, 16>;
 alias Right = subgroup_matrix_right<f16, 16, 16>;
@@ -205,38 +194,18 @@ fn stage_tile(i: u32, lid: u32, r0: u32, n_rows: u32, t0: u32, nh: u32, h_off: u
     }
 }
 
-// The logit of row r at key row kr (half offset in ik, a multiple of 8) with f32 FMAs, dims
-// ascending.
+// The logit of row r at key row kr (element offset in ik) with f32 FMAs, dims ascending.
 fn exact_logit(qo: u32, kr: u32) -> f32 {
     var z = 0.0;
     for (var j = 0u; j < DV; j++) {
         let q = iq[qo + j];
-        let u = ik[(kr + 4u * j) / 8u];
-        let w = select(u.xy, u.zw, j % 2u == 1u);  // halves 4 j .. 4 j + 3 of the row
-        let k01 = vec2<f32>(bitcast<vec2<f16>>(w.x));
-        let k23 = vec2<f32>(bitcast<vec2<f16>>(w.y));
-        z += q.x * k01.x;
-        z += q.y * k01.y;
-        z += q.z * k23.x;
-        z += q.w * k23.y;
+        let kb = kr + 4u * j;
+        z += q.x * f32(ik[kb]);
+        z += q.y * f32(ik[kb + 1u]);
+        z += q.z * f32(ik[kb + 2u]);
+        z += q.w * f32(ik[kb + 3u]);
     }
     return z;
-}
-
-// The 8 halves of a unit to ks[o ..= o + 7] (component 0 of a u32's vec2<f16> is its low half).
-fn put_key(o: u32, u: vec4<u32>) {
-    let h0 = bitcast<vec2<f16>>(u.x);
-    let h1 = bitcast<vec2<f16>>(u.y);
-    let h2 = bitcast<vec2<f16>>(u.z);
-    let h3 = bitcast<vec2<f16>>(u.w);
-    ks[o] = h0.x;
-    ks[o + 1u] = h0.y;
-    ks[o + 2u] = h1.x;
-    ks[o + 3u] = h1.y;
-    ks[o + 4u] = h2.x;
-    ks[o + 5u] = h2.y;
-    ks[o + 6u] = h3.x;
-    ks[o + 7u] = h3.y;
 }
 
 // element offset in ik of the key row of block position p, or INVALID where it is not loaded
@@ -246,24 +215,6 @@ fn key_row(pg: u32, p: u32) -> u32 {
         return ((slab - params.chunk_first) * S + p % S) * KS;
     }
     return INVALID;
-}
-
-// Where unit i of this invocation goes in a key buffer for the step at k0 (half offset), and
-// where it comes from in ik (unit index); INVALID for units of tiles not loaded (past npos,
-// unmapped, another chunk) and past the step's units.
-fn key_unit(i: u32, k0: u32, pg: u32, npos: u32, lid: u32) -> vec2<u32> {
-    let x = i * WG + lid;
-    if (x < 16u * NT * KU) {
-        let pr = x / KU;  // position of the step
-        let tp = k0 + 16u * (pr / 16u);
-        if (tp < npos) {
-            let kb = key_row(pg, tp);
-            if (kb != INVALID) {
-                return vec2<u32>(pr * HS + 8u * (x % KU), (kb + (pr % 16u) * KS) / 8u + x % KU);
-            }
-        }
-    }
-    return vec2<u32>(INVALID);
 }
 
 @compute @workgroup_size(WG)
@@ -329,41 +280,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
 
         var best = 0u;
-        // the item's first step of keys to key buffer par (its last readers, two steps ago, are
-        // behind a barrier); later steps are fetched one step ahead, during the products
-        var d0 = key_unit(0u, 0u, pg, npos, lid);
-        var d1 = vec2<u32>(INVALID);
-        var d2 = vec2<u32>(INVALID);
-        var d3 = vec2<u32>(INVALID);
-        if (UPI > 1u) { d1 = key_unit(1u, 0u, pg, npos, lid); }
-        if (UPI > 2u) { d2 = key_unit(2u, 0u, pg, npos, lid); }
-        if (UPI > 3u) { d3 = key_unit(3u, 0u, pg, npos, lid); }
-        if (d0.x != INVALID) { put_key(par * KT + d0.x, ik[d0.y]); }
-        if (d1.x != INVALID) { put_key(par * KT + d1.x, ik[d1.y]); }
-        if (d2.x != INVALID) { put_key(par * KT + d2.x, ik[d2.y]); }
-        if (d3.x != INVALID) { put_key(par * KT + d3.x, ik[d3.y]); }
-        workgroupBarrier();  // the first step's keys are staged
         for (var k0 = 0u; k0 < npos; k0 += 16u * NT) {
             let rb = (2u * sg + par) * RB;  // this step's result buffer
-            let nk = k0 + 16u * NT;         // the next step's first position
-            var u0 = vec4<u32>(0u);
-            var u1 = vec4<u32>(0u);
-            var u2 = vec4<u32>(0u);
-            var u3 = vec4<u32>(0u);
-            d0 = vec2<u32>(INVALID);
-            d1 = vec2<u32>(INVALID);
-            d2 = vec2<u32>(INVALID);
-            d3 = vec2<u32>(INVALID);
-            if (nk < npos) {  // the next step's loads, in flight during the products
-                d0 = key_unit(0u, nk, pg, npos, lid);
-                if (UPI > 1u) { d1 = key_unit(1u, nk, pg, npos, lid); }
-                if (UPI > 2u) { d2 = key_unit(2u, nk, pg, npos, lid); }
-                if (UPI > 3u) { d3 = key_unit(3u, nk, pg, npos, lid); }
-                if (d0.x != INVALID) { u0 = ik[d0.y]; }
-                if (d1.x != INVALID) { u1 = ik[d1.y]; }
-                if (d2.x != INVALID) { u2 = ik[d2.y]; }
-                if (d3.x != INVALID) { u3 = ik[d3.y]; }
-            }
             for (var u = 0u; u < NT; u++) {
                 let tp = k0 + 16u * u;      // the tile's first position in the block
                 var acc = Result();         // (zero: explicitly, every tile)
@@ -371,59 +289,51 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 if (tp < npos) {
                     kb = key_row(pg, tp);
                 }
-                let kt = par * KT + 16u * u * HS;  // the tile's first key in ks
                 if (kb != INVALID && 16u * sg < n_rows) {  // (a subgroup without rows idles)
                     if (ND > 0u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 0u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 0u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h0, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l0, b, acc);
                     }
                     if (ND > 1u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 16u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 16u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h1, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l1, b, acc);
                     }
                     if (ND > 2u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 32u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 32u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h2, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l2, b, acc);
                     }
                     if (ND > 3u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 48u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 48u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h3, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l3, b, acc);
                     }
                     if (ND > 4u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 64u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 64u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h4, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l4, b, acc);
                     }
                     if (ND > 5u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 80u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 80u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h5, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l5, b, acc);
                     }
                     if (ND > 6u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 96u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 96u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h6, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l6, b, acc);
                     }
                     if (ND > 7u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ks, kt + 112u, HS);
+                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 112u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h7, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l7, b, acc);
                     }
                 }
                 subgroupMatrixStore<row_major>(&res, rb + 16u * u, acc, RW);
             }
-            // the next step's keys to the other key buffer (read last by the previous step's
-            // products, which are behind the previous barrier)
-            let nb = (1u - par) * KT;
-            if (d0.x != INVALID) { put_key(nb + d0.x, u0); }
-            if (d1.x != INVALID) { put_key(nb + d1.x, u1); }
-            if (d2.x != INVALID) { put_key(nb + d2.x, u2); }
-            if (d3.x != INVALID) { put_key(nb + d3.x, u3); }
-            workgroupBarrier();  // results and next keys are visible (the other buffer's fold is done)
+            workgroupBarrier();  // the stores are visible (and the other buffer's fold is done)
             par = 1u - par;
             // fold: row fr, positions fh .. fh + 7 of each tile of the step
             for (var u = 0u; u < NT; u++) {

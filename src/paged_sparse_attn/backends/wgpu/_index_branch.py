@@ -86,8 +86,8 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
 
 # The tensor-core variant (16x16x16 f16 subgroup matrices; docs/spec/numerics.md, "Block scores
 # on tensor cores"): float16 HND index keys, d_idx a multiple of 16 in 16..128, pages and blocks
-# of whole 16-position tiles (the kernel stages its keys a tile at a time, a tile from one page),
-# items of 16 .. 64 rows.
+# of whole 16-position tiles (the kernel loads its keys straight from storage, a tile from one
+# page), items of 16 .. 64 rows.
 SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
 SGMAT_SCORES_DIMS = (16, 128)
 SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
@@ -103,9 +103,8 @@ SGMAT_SCORES_AUTO = True
 def sgmat_scores_workgroup_bytes(nt: int = SGMAT_SCORES_NT) -> int:
     """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable a whole number of 16-byte
     units, as Dawn counts it): the staged query tile (hi and lo, 16 rows of 136 halves), two
-    result buffers of 16 x (16 NT + 4) floats per subgroup (4 subgroups), the 64 row records and
-    two buffers of staged keys (16 NT rows of 136 halves each)."""
-    return 2 * 2 * 16 * 136 + 4 * 2 * 4 * 16 * (16 * int(nt) + 4) + 16 * 64 + 2 * 2 * 16 * int(nt) * 136
+    result buffers of 16 x (16 NT + 4) floats per subgroup (4 subgroups), the 64 row records."""
+    return 2 * 2 * 16 * 136 + 4 * 2 * 4 * 16 * (16 * int(nt) + 4) + 16 * 64
 
 
 def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd: bool,
