@@ -315,10 +315,17 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="skip the prefill-shape comparison (timing only)")
     ap.add_argument("--small-only", action="store_true", help="only the small problems (no decode, prefill, timing)")
+    ap.add_argument("--no-robustness", action="store_true",
+                    help="open Dawn without its bounds checks (DawnBackend(robustness=False))")
     a = ap.parse_args()
     t_start = time.perf_counter()
     try:
-        be = registry.get_backend(a.backend)
+        if a.no_robustness:
+            from paged_sparse_attn.backends.wgpu.backend import DawnBackend
+
+            be = DawnBackend(robustness=False)
+        else:
+            be = registry.get_backend(a.backend)
         ctx = be._device()
     except Exception as exc:  # noqa: BLE001 -- report, then stop: nothing else can run
         report(False, "open backend", f"{a.backend}: {type(exc).__name__}: {exc}")
