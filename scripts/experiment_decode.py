@@ -16,8 +16,9 @@ decode layer workload of the bench (B=32, L=32k, Hq=32, Hkv=4, D=128, top-16, f1
 ``--kernels decode sgmat generic`` instead times the partials + combine of one decode call with each
 ``partials_kernel`` choice (and its largest difference to the numpy backend's output);
 ``--loads-only`` times the decode partials and the decode block scores as they are and with their
-arithmetic left out (loads kept), to tell what bounds them, and the block scores with the
-per-position reduction (the joint one turned off).
+arithmetic left out (loads kept), to tell what bounds them, the partials with float16 widened by
+``bitcast`` instead of ``unpack2x16float``, and the block scores with the per-position reduction
+(the joint one turned off).
 
 Each variant runs on a fresh device, so no pipeline is shared between variants.
 """
@@ -49,6 +50,10 @@ R26_VARIANTS = {
 
 # "loads only": the kernels' loads kept (their values feed the result) and their arithmetic left
 # out, to tell loads from math. (start, end, replacement) edits replace the text from start up to end.
+# float16 units widened by bitcast to vec2<f16> and a conversion (needs the shader-f16 feature)
+# instead of unpack2x16float: whether the two compilers treat the two forms alike
+F16_BITCAST = [("// psa_partials_decode.wgsl", "enable f16;\n// psa_partials_decode.wgsl")] + [
+    (f"unpack2x16float(u.{c})", f"vec2<f32>(bitcast<vec2<f16>>(u.{c}))") for c in "xyzw"]
 SCORES_SG = "psa_block_scores_decode_sg.wgsl"
 LOADS_ONLY = {
     DECODE: [("        // scores of head slot hs for the 4 keys", "    return Edge(m, l, a0",
@@ -151,7 +156,8 @@ def main() -> None:
         for name, opts in runs:
             cls = type(registry.get_backend(name))
             for vname, edits in (("as is", []), ("loads only", LOADS_ONLY[DECODE]),
-                                 ("divisions as shifts (S = 64)", DIVISION_FREE)):
+                                 ("divisions as shifts (S = 64)", DIVISION_FREE),
+                                 ("float16 by bitcast, not unpack2x16float", F16_BITCAST)):
                 orig, src = _with_edits(edits)
                 _kernels.shader_source = src
                 try:
