@@ -146,11 +146,13 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         of kernels and tiles chosen from the batch layout (the decode kernels). Off by default:
         it costs decode speed (see the backend's page). Declared in ``capabilities``.
     runtime_checks : bool
-        Compile the attention kernels (partials, merge) with naga's runtime checks (every index
-        clamped, every loop bounded). Default ``False``: those kernels only index with values
-        the host has validated and planned (R1-R8 and the index's own checks), so the checks
-        cost time (1.3 to 2 times on the H200) and protect nothing; ``True`` is for debugging a
-        kernel change. Other kernels always keep the checks.
+        Compile the attention kernels (partials, merge) and the index-branch kernels (block
+        scores, top-k) with naga's runtime checks (every index clamped, every loop bounded).
+        Default ``False``: those kernels only index with values the host has validated and
+        planned (R1-R8, R21-R23 and the plans' own checks), so the checks cost time (1.3 to 2
+        times on the H200; the prefill block scores 12.8 against 8.4 ms) and protect nothing;
+        ``True`` is for debugging a kernel change. The KV-outer inversion, which reads
+        device-resident selections (R31), always keeps the checks.
 
     Thread safety: every call on one instance (forward, uploads, page updates, readbacks, release
     of resident arrays, close) holds the instance's lock, so one instance may be shared by threads;
