@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from paged_sparse_attn.backends.wgpu import _ceilings, _kernels, _shaders  # noqa: E402
+from paged_sparse_attn.backends.wgpu import _ceilings, _kernels, _shaders
 
 NAME = "x_fma_chain.wgsl"
 ITERS = 1024
@@ -76,17 +76,7 @@ def rate(be, fused: bool, repeat: int, checks: bool = True, gx: int = 4096, gy: 
     pipe, bgl = pipeline(ctx, NAME, {"FUSED": fused}, checks=checks)
     bg = dev.create_bind_group(layout=bgl, entries=[{"binding": 0, "resource": {"buffer": pb}},
                                                     {"binding": 1, "resource": {"buffer": ob}}])
-
-    def encode(enc, qset):
-        tw = None if qset is None else {"query_set": qset, "beginning_of_pass_write_index": 0,
-                                        "end_of_pass_write_index": 1}
-        cp = enc.begin_compute_pass(timestamp_writes=tw)
-        cp.set_pipeline(pipe)
-        cp.set_bind_group(0, bg)
-        cp.dispatch_workgroups(gx, gy)
-        cp.end()
-
-    t, _ = _ceilings.median_time(ctx, encode, ob, repeat, 0.2)
+    t, _ = _ceilings.median_time(ctx, _ceilings.one_dispatch(pipe, bg, gx, gy), ob, repeat, 0.2)
     first = np.frombuffer(dev.queue.read_buffer(ob, 0, 16), np.float32)
     ob.destroy()
     pb.destroy()

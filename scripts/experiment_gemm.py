@@ -112,21 +112,17 @@ def tiled(sgm: int, sgn: int, tm: int, tn: int, bk: int, stages: int, pad: int =
     L += [f"    var acc{i}{j}: Result;" for i in range(tm) for j in range(tn)]
     L += [f"    var ra{u}: vec4<u32>;" for u in range(a_units)] + [f"    var rb{u}: vec4<u32>;" for u in range(b_units)]
 
+    # per operand: name, units per invocation, units per staged row, source unit, stage, row stride
+    ops = (("a", a_units, a_ru, "(row0 + u / {ru}u) * kq + {kn} / 8u + u % {ru}u", a_stage, sa_),
+           ("b", b_units, b_ru, "({kn} + u / {ru}u) * nq + col0 / 8u + u % {ru}u", b_stage, sb_))
+
     def loads(kn: str, ind: str) -> list[str]:
-        out = []
-        for u in range(a_units):
-            out.append(f"{ind}{{ let u = {u * wg}u + lid; ra{u} = a[(row0 + u / {a_ru}u) * kq + {kn} / 8u + u % {a_ru}u]; }}")
-        for u in range(b_units):
-            out.append(f"{ind}{{ let u = {u * wg}u + lid; rb{u} = b[({kn} + u / {b_ru}u) * nq + col0 / 8u + u % {b_ru}u]; }}")
-        return out
+        return [f"{ind}{{ let u = {u * wg}u + lid; r{nm}{u} = {nm}[{src.format(ru=ru, kn=kn)}]; }}"
+                for nm, units, ru, src, _, _ in ops for u in range(units)]
 
     def puts(stage: str, ind: str) -> list[str]:
-        out = []
-        for u in range(a_units):
-            out.append(f"{ind}{{ let u = {u * wg}u + lid; put_a({stage} * {a_stage}u + (u / {a_ru}u) * {sa_}u + (u % {a_ru}u) * 8u, ra{u}); }}")
-        for u in range(b_units):
-            out.append(f"{ind}{{ let u = {u * wg}u + lid; put_b({stage} * {b_stage}u + (u / {b_ru}u) * {sb_}u + (u % {b_ru}u) * 8u, rb{u}); }}")
-        return out
+        return [f"{ind}{{ let u = {u * wg}u + lid; put_{nm}({stage} * {st}u + (u / {ru}u) * {stride}u + "
+                f"(u % {ru}u) * 8u, r{nm}{u}); }}" for nm, units, ru, _, st, stride in ops for u in range(units)]
 
     L += loads("0u", "    ") + puts("0u", "    ") + ["    workgroupBarrier();"]
     L.append("    for (var t = 0u; t < steps; t++) {")

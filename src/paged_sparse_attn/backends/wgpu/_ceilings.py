@@ -23,7 +23,8 @@ from ._shaders import shader_source
 from ._webgpu import BufferUsage, MapMode, QueryType
 
 __all__ = ["GEMM_KERNEL", "GEMM_TILED_KERNEL", "GEMM_VARIANTS", "READ_KERNEL", "GemmVariant", "copy_bandwidth",
-           "gemm_error_bound", "matmul_rate", "matmul_variants", "median_time", "read_bandwidth", "wait_idle"]
+           "gemm_error_bound", "matmul_rate", "matmul_variants", "median_time", "one_dispatch", "read_bandwidth",
+           "wait_idle"]
 
 READ_KERNEL = "psa_read_bandwidth.wgsl"
 READ_WG = 256
@@ -36,6 +37,22 @@ def wait_idle(dev: Any, buf: Any) -> None:
     (wgpu-py's ``on_submitted_work_done_sync`` fails with the wgpu-native it ships with.)
     """
     dev.queue.read_buffer(buf, 0, 4)
+
+
+def one_dispatch(pipe: Any, bind_group: Any, *grid: int) -> Callable[[Any, Any], None]:
+    """``encode(encoder, qset)`` for :func:`median_time`: one compute pass of one dispatch of
+    ``grid`` workgroups, with timestamps 0 and 1 at its start and end when ``qset`` is given."""
+
+    def encode(enc: Any, qset: Any) -> None:
+        tw = None if qset is None else {"query_set": qset, "beginning_of_pass_write_index": 0,
+                                        "end_of_pass_write_index": 1}
+        cp = enc.begin_compute_pass(timestamp_writes=tw)
+        cp.set_pipeline(pipe)
+        cp.set_bind_group(0, bind_group)
+        cp.dispatch_workgroups(*grid)
+        cp.end()
+
+    return encode
 
 
 def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, repeat: int,
@@ -151,17 +168,7 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
                 {"binding": 0, "resource": {"buffer": params}},
                 {"binding": 1, "resource": {"buffer": src}},
                 {"binding": 2, "resource": {"buffer": sink}}])
-
-            def encode(enc, qset):
-                tw = None if qset is None else {"query_set": qset, "beginning_of_pass_write_index": 0,
-                                                "end_of_pass_write_index": 1}
-                cp = enc.begin_compute_pass(timestamp_writes=tw)
-                cp.set_pipeline(pipe)
-                cp.set_bind_group(0, bg)
-                cp.dispatch_workgroups(groups)
-                cp.end()
-
-            t, timer = median_time(ctx, encode, sink, repeat, warmup_s)
+            t, timer = median_time(ctx, one_dispatch(pipe, bg, groups), sink, repeat, warmup_s)
     finally:
         destroy_all(bufs)
     return dict(bytes_per_s=n / t if t > 0 else float("nan"), read_s=t, read_bytes=n, timer=timer)
@@ -340,17 +347,7 @@ def matmul_variants(ctx: Any, m: int = 4096, n: int | None = None, k: int | None
                 # the previous variant's product must not pass for this one's
                 for r in rows:
                     dev.queue.write_buffer(cb, int(r) * n * 4, np.full(n, np.nan, np.float32))
-
-                def encode(enc, qset, pipe=pipe, bg=bg, bm=bm, bn=bn):
-                    tw = None if qset is None else {"query_set": qset, "beginning_of_pass_write_index": 0,
-                                                    "end_of_pass_write_index": 1}
-                    cp = enc.begin_compute_pass(timestamp_writes=tw)
-                    cp.set_pipeline(pipe)
-                    cp.set_bind_group(0, bg)
-                    cp.dispatch_workgroups(n // bn, m // bm)
-                    cp.end()
-
-                t, timer = median_time(ctx, encode, cb, repeat, warmup_s)
+                t, timer = median_time(ctx, one_dispatch(pipe, bg, n // bn, m // bm), cb, repeat, warmup_s)
                 c = np.stack([np.frombuffer(dev.queue.read_buffer(cb, int(r) * n * 4, n * 4), np.float32)
                               for r in rows]).astype(np.float64)
                 diff = np.abs(c - ref)
