@@ -10,10 +10,8 @@
 // rows (the host plans the blocks of one row run one after another) reuse the staged queries.
 //
 // Workgroup: 4 subgroups of 32 (subgroup sg = invocations 32 sg .. 32 sg + 31); subgroup sg owns
-// the TPS 16-row tiles sg, sg + 4, .. of the item (rows 64 t + 16 sg .. + 15, t < TPS), over
-// every position: the subgroups share no data after the queries are staged (a subgroup without
-// rows idles: items of fewer than 64 rows). With TPS = 2 each key matrix a subgroup loads
-// serves two row tiles (four products instead of two).
+// rows 16 sg .. 16 sg + 15 of the item, over every position: the subgroups share no data after
+// the queries are staged (a subgroup without rows idles: items of fewer than 64 rows).
 //
 // 1. Row scaling (exact). Each row's index query is multiplied by a power of two 2^e that puts
 //    its largest |q| in [2^14, 2^15) (e clamped to [-113, 126]: 2^e and 2^-e are normal floats);
@@ -26,8 +24,8 @@
 // 3. Queries in registers. When an item's rows differ from the previous item's, the rows are
 //    staged one 16-row tile at a time (hi at qs[0 ..], lo at qs[QH ..], [row][dim], row stride
 //    HS = 16 ND + 8 halves; zeros past the item's rows) by the whole workgroup, and the tile's
-//    subgroup loads its ND hi and ND lo left matrices (h0 .. h7, l0 .. l7 for its first tile,
-//    g0 .. g7, m0 .. m7 for its second); they stay in registers for the item run.
+//    subgroup loads its ND hi and ND lo left matrices (h0 .. h7, l0 .. l7); they stay in
+//    registers for the item run.
 // 4. Keys straight from storage. A 16-position tile of a block lies in one page (S, BS multiples
 //    of 16), so its keys are 16 consecutive rows of one slab: each right matrix (16 dims x 16
 //    positions) is loaded column-major from `ik` (stride 4 DV halves). A tile whose page is
@@ -36,8 +34,8 @@
 //    reach their own result column, which the fold never takes.
 // 5. Steps of NT tiles: acc = sum over the ND chunks of (hi . K^T + lo . K^T) (a fixed order,
 //    R19), stored to the subgroup's result buffer (two buffers per subgroup, alternating: one
-//    barrier per step); lane l then folds row 64 t + 16 sg + l / 2 (each of its tiles t),
-//    positions 8 (l % 2) .. + 7 of every tile, into a running key in a register (z = scale (S' 2^-e) where visible, as the FMA
+//    barrier per step); lane l then folds row 16 sg + l / 2, positions 8 (l % 2) .. + 7 of every
+//    tile, into a running key in a register (z = scale (S' 2^-e) where visible, as the FMA
 //    kernel's `select`); after the item the two lanes of a row combine (subgroupShuffleXor) and
 //    one writes max(out, key).
 //
@@ -55,12 +53,10 @@
 //
 // Override constants
 //   DV  vec4s per index row (d_idx / 4: a multiple of 4, at most 32)   S  page size   BS  block size
-//   RT  rows per item: 16, 32, 64 or 128 (>= the host's rows per item; at most 64 TPS)
-//   TPS 16-row tiles per subgroup: 1 or 2
+//   RT  rows per item: 16, 32 or 64 (>= the host's rows per item)
 //   NT  16-position tiles per step: 1, 2 or 4      IPW  work items per workgroup (>= 1)
-// Workgroup memory (bytes): 2 * 2 * 16 HS (HS = 136) + TPS * 4 * 2 * 4 * 16 (16 NT + 4) + TPS *
-// 16 * 64 (_index_branch.sgmat_scores_workgroup_bytes: 19968, 28160, 44544 for NT = 1, 2, 4 and
-// TPS = 1; 31232 for NT = 1, TPS = 2). Needs subgroups of 32 consecutive invocations.
+// Workgroup memory (bytes): 2 * 2 * 16 HS (HS = 136) + 4 * 2 * 4 * 16 (16 NT + 4) + 16 * 64
+// (_index_branch.sgmat_scores_workgroup_bytes: 19968, 28160, 44544 for NT = 1, 2, 4). Needs subgroups of 32 consecutive invocations.
 // The loader prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
 
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
@@ -74,7 +70,6 @@ override BS: u32;
 override RT: u32 = 64u;
 override NT: u32 = 2u;
 override IPW: u32 = 8u;
-override TPS: u32 = 1u;
 override ND: u32 = DV / 4u;              // 16-dim chunks of a row (1 .. 8)
 override RW: u32 = 16u * NT + 4u;        // f32 row stride of a result buffer
 override RB: u32 = 16u * RW;             // f32 of one result buffer (16 rows)
@@ -113,8 +108,8 @@ struct Params {
 // Every workgroup variable is a whole number of 16-byte units (see docs/backends/dawn.md: Dawn on
 // NVIDIA misplaced matrix accesses of arrays that followed scalars adding up to 12 bytes).
 var<workgroup> qs: array<f16, 2u * QH>;           // one staged 16-row query tile: hi, then lo
-var<workgroup> res: array<f32, 2u * NSG * TPS * RB>;  // S' of a step: [subgroup][buffer][tile][row][position]
-var<workgroup> rinf: array<vec4<f32>, 64u * TPS>;     // per row: (2^-e, 1 if the query is not finite, 0, 0)
+var<workgroup> res: array<f32, 2u * NSG * RB>;    // S' of a step: [subgroup][buffer][row][position]
+var<workgroup> rinf: array<vec4<f32>, 64>;        // per row: (2^-e, 1 if the query is not finite, 0, 0)
 
 alias Left = subgroup_matrix_left<f16, 16, 16>;
 alias Right = subgroup_matrix_right<f16, 16, 16>;
@@ -230,25 +225,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let sg = lid / 32u;          // this invocation's subgroup = its 16-row tile
     let lane = lid % 32u;
-    let fr = 16u * sg + lane / 2u;  // fold: row of this lane in its first tile (+ 64 in the second)
+    let fr = 16u * sg + lane / 2u;  // fold: row of this lane
     let fh = 8u * (lane % 2u);      // and its 8 positions of each tile
 
     var h0: Left; var h1: Left; var h2: Left; var h3: Left;
     var h4: Left; var h5: Left; var h6: Left; var h7: Left;
     var l0: Left; var l1: Left; var l2: Left; var l3: Left;
     var l4: Left; var l5: Left; var l6: Left; var l7: Left;
-    var g0: Left; var g1: Left; var g2: Left; var g3: Left;  // TPS = 2: the second tile's hi
-    var g4: Left; var g5: Left; var g6: Left; var g7: Left;
-    var m0: Left; var m1: Left; var m2: Left; var m3: Left;  // and lo
-    var m4: Left; var m5: Left; var m6: Left; var m7: Left;
     var prev = vec4<u32>(INVALID);   // (t0, r0, n_rows, nh) of the staged rows
     var prev_h = INVALID;            // and h_off
     var par = 0u;                    // result buffer of the next step
-    // per fold row (of the first and the second tile)
-    var us = vec2<f32>(1.0);         // 2^-e of the fold row
-    var fbad = vec2<bool>(false);    // its query holds NaN or +-inf
-    var qo = vec2<u32>(0u);          // its vec4 offset in iq
-    var qe = vec2<i32>(0);           // exclusive end of its visible positions
+    var us = 1.0;                    // 2^-e of the fold row
+    var fbad = false;                // its query holds NaN or +-inf
+    var qo = 0u;                     // its vec4 offset in iq
+    var qe = 0;                      // exclusive end of its visible positions
 
     for (var it = first; it < min(first + IPW, params.n_items); it++) {
         let ib = params.items_off + (params.item_base + it) * 8u;
@@ -260,7 +250,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let pg = plan[ib + 5u];
         let npos = plan[ib + 6u];
         let s = plan[ib + 7u];
-        let live = vec2<bool>((fr < n_rows), (TPS > 1u && fr + 64u < n_rows));
+        let live = fr < n_rows;
 
         if (any(vec4<u32>(t0, r0, n_rows, nh) != prev) || h_off != prev_h) {
             prev = vec4<u32>(t0, r0, n_rows, nh);
@@ -279,155 +269,101 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     if (ND > 6u) { h6 = subgroupMatrixLoad<Left, row_major>(&qs, 96u, HS); l6 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 96u, HS); }
                     if (ND > 7u) { h7 = subgroupMatrixLoad<Left, row_major>(&qs, 112u, HS); l7 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 112u, HS); }
                 }
-                if (TPS > 1u && sg + 4u == i) {  // its second tile
-                    if (ND > 0u) { g0 = subgroupMatrixLoad<Left, row_major>(&qs, 0u, HS); m0 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 0u, HS); }
-                    if (ND > 1u) { g1 = subgroupMatrixLoad<Left, row_major>(&qs, 16u, HS); m1 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 16u, HS); }
-                    if (ND > 2u) { g2 = subgroupMatrixLoad<Left, row_major>(&qs, 32u, HS); m2 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 32u, HS); }
-                    if (ND > 3u) { g3 = subgroupMatrixLoad<Left, row_major>(&qs, 48u, HS); m3 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 48u, HS); }
-                    if (ND > 4u) { g4 = subgroupMatrixLoad<Left, row_major>(&qs, 64u, HS); m4 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 64u, HS); }
-                    if (ND > 5u) { g5 = subgroupMatrixLoad<Left, row_major>(&qs, 80u, HS); m5 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 80u, HS); }
-                    if (ND > 6u) { g6 = subgroupMatrixLoad<Left, row_major>(&qs, 96u, HS); m6 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 96u, HS); }
-                    if (ND > 7u) { g7 = subgroupMatrixLoad<Left, row_major>(&qs, 112u, HS); m7 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 112u, HS); }
-                }
             }
             workgroupBarrier();  // rinf is complete
-            for (var tt = 0u; tt < TPS; tt++) {
-                let ri = rinf[fr + 64u * tt];
-                us[tt] = ri.x;
-                fbad[tt] = ri.y != 0.0;
-                let rs = min(fr + 64u * tt, n_rows - 1u);
-                qo[tt] = row_q(r0 + rs, t0, nh, h_off);
-                qe[tt] = bitcast<i32>(plan[t0 + (r0 + rs) / nh]);
-            }
+            let ri = rinf[fr];
+            us = ri.x;
+            fbad = ri.y != 0.0;
+            let rs = min(fr, n_rows - 1u);
+            qo = row_q(r0 + rs, t0, nh, h_off);
+            qe = bitcast<i32>(plan[t0 + (r0 + rs) / nh]);
         }
 
-        var best = vec2<u32>(0u);
+        var best = 0u;
         for (var k0 = 0u; k0 < npos; k0 += 16u * NT) {
-            let rb = (2u * sg + par) * TPS * RB;  // this step's result buffers (one per tile)
+            let rb = (2u * sg + par) * RB;  // this step's result buffer
             for (var u = 0u; u < NT; u++) {
                 let tp = k0 + 16u * u;      // the tile's first position in the block
                 var acc = Result();         // (zero: explicitly, every tile)
-                var acc2 = Result();        // the second row tile's (TPS = 2)
                 var kb = INVALID;
                 if (tp < npos) {
                     kb = key_row(pg, tp);
                 }
-                let two = TPS > 1u && 16u * sg + 64u < n_rows;  // (uniform in the subgroup)
                 if (kb != INVALID && 16u * sg < n_rows) {  // (a subgroup without rows idles)
                     if (ND > 0u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 0u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h0, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l0, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g0, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m0, b, acc2);
-                        }
                     }
                     if (ND > 1u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 16u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h1, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l1, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g1, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m1, b, acc2);
-                        }
                     }
                     if (ND > 2u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 32u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h2, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l2, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g2, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m2, b, acc2);
-                        }
                     }
                     if (ND > 3u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 48u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h3, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l3, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g3, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m3, b, acc2);
-                        }
                     }
                     if (ND > 4u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 64u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h4, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l4, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g4, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m4, b, acc2);
-                        }
                     }
                     if (ND > 5u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 80u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h5, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l5, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g5, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m5, b, acc2);
-                        }
                     }
                     if (ND > 6u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 96u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h6, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l6, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g6, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m6, b, acc2);
-                        }
                     }
                     if (ND > 7u) {
                         let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 112u, KS);
                         acc = subgroupMatrixMultiplyAccumulate(h7, b, acc);
                         acc = subgroupMatrixMultiplyAccumulate(l7, b, acc);
-                        if (two) {
-                            acc2 = subgroupMatrixMultiplyAccumulate(g7, b, acc2);
-                            acc2 = subgroupMatrixMultiplyAccumulate(m7, b, acc2);
-                        }
                     }
                 }
                 subgroupMatrixStore<row_major>(&res, rb + 16u * u, acc, RW);
-                if (TPS > 1u) {
-                    subgroupMatrixStore<row_major>(&res, rb + RB + 16u * u, acc2, RW);
-                }
             }
             workgroupBarrier();  // the stores are visible (and the other buffer's fold is done)
             par = 1u - par;
-            // fold: row fr (+ 64 tt), positions fh .. fh + 7 of each tile of the step
+            // fold: row fr, positions fh .. fh + 7 of each tile of the step
             for (var u = 0u; u < NT; u++) {
                 let tp = k0 + 16u * u;
                 var kb = INVALID;
                 if (tp < npos) {
                     kb = key_row(pg, tp);
                 }
-                for (var tt = 0u; tt < TPS; tt++) {
-                    if (live[tt] && kb != INVALID) {
-                        for (var c = 0u; c < 8u; c++) {
-                            let p = tp + fh + c;
-                            let vis = p < npos && i32(s * BS + p) < qe[tt];
-                            var z = res[rb + tt * RB + (fr % 16u) * RW + 16u * u + fh + c];
-                            var f = us[tt];
-                            if (vis && (fbad[tt] || (bitcast<u32>(z) & 0x7f800000u) == 0x7f800000u)) {
-                                z = exact_logit(qo[tt], kb + (fh + c) * KS);
-                                f = 1.0;
-                            }
-                            best[tt] = max(best[tt], select(0u, logit_key(params.scale * (z * f)), vis));
+                if (live && kb != INVALID) {
+                    for (var c = 0u; c < 8u; c++) {
+                        let p = tp + fh + c;
+                        let vis = p < npos && i32(s * BS + p) < qe;
+                        var z = res[rb + (fr % 16u) * RW + 16u * u + fh + c];
+                        var f = us;
+                        if (vis && (fbad || (bitcast<u32>(z) & 0x7f800000u) == 0x7f800000u)) {
+                            z = exact_logit(qo, kb + (fh + c) * KS);
+                            f = 1.0;
                         }
+                        best = max(best, select(0u, logit_key(params.scale * (z * f)), vis));
                     }
                 }
             }
         }
         // the two lanes of a row combine; the even one writes
-        best = max(best, vec2<u32>(subgroupShuffleXor(best.x, 1u), subgroupShuffleXor(best.y, 1u)));
-        for (var tt = 0u; tt < TPS; tt++) {
-            let rr = r0 + fr + 64u * tt;
-            if (live[tt] && fh == 0u) {
-                let t = t0 + rr / nh;
-                let h = h_off + rr % nh;
-                let o = (t * params.heads + h) * params.msb + s;
-                out[o] = max(out[o], best[tt]);
-            }
+        best = max(best, subgroupShuffleXor(best, 1u));
+        if (live && fh == 0u) {
+            let t = t0 + (r0 + fr) / nh;
+            let h = h_off + (r0 + fr) % nh;
+            let o = (t * params.heads + h) * params.msb + s;
+            out[o] = max(out[o], best);
         }
     }
 }
