@@ -29,7 +29,7 @@ LO = [f"acc = subgroupMatrixMultiplyAccumulate(l{k}, b, acc);" for k in range(8)
 HI = [f"acc = subgroupMatrixMultiplyAccumulate(h{k}, b, acc);" for k in range(8)]
 EDITS = {
     "as is": [],
-    "no exact path in the fold": [("logit_key(params.scale * exact_logit(qo, kb + (fh + c) * KS))", "0u")],
+    "no exact path in the fold": [("z = exact_logit(qo, kb + (fh + c) * KS);", "z = 0.0;")],
     "no fold": [("if (live && kb != INVALID) {", "if (false) {")],
     "no lo products": [(x, "") for x in LO],
     "no products (nor key loads)": [(x, "") for x in LO + HI],

@@ -9,9 +9,9 @@
 // dispatch: the host dispatches ceil(n_items / IPW) workgroups); consecutive items of the same
 // rows (the host plans the blocks of one row run one after another) reuse the staged queries.
 //
-// Workgroup: NSG subgroups of 32 (subgroup sg = invocations 32 sg .. 32 sg + 31); subgroup sg owns
+// Workgroup: 4 subgroups of 32 (subgroup sg = invocations 32 sg .. 32 sg + 31); subgroup sg owns
 // rows 16 sg .. 16 sg + 15 of the item, over every position: the subgroups share no data after
-// the queries are staged (a subgroup without rows idles: items of fewer than 16 NSG rows).
+// the queries are staged (a subgroup without rows idles: items of fewer than 64 rows).
 //
 // 1. Row scaling (exact). Each row's index query is multiplied by a power of two 2^e that puts
 //    its largest |q| in [2^14, 2^15) (e clamped to [-113, 126]: 2^e and 2^-e are normal floats);
@@ -53,11 +53,10 @@
 //
 // Override constants
 //   DV  vec4s per index row (d_idx / 4: a multiple of 4, at most 32)   S  page size   BS  block size
-//   RT  rows per item: 16, 32 or 64 (>= the host's rows per item, <= 16 NSG)
-//   NSG subgroups per workgroup: 1, 2 or 4 (one 16-row tile each)
+//   RT  rows per item: 16, 32 or 64 (>= the host's rows per item)
 //   NT  16-position tiles per step: 1, 2 or 4      IPW  work items per workgroup (>= 1)
-// Workgroup memory (bytes): 2 * 2 * 16 HS (HS = 136) + NSG * 2 * 4 * 16 (16 NT + 4) + 16 * 16 NSG
-// (_index_branch.sgmat_scores_workgroup_bytes: 19968, 28160, 44544 for NT = 1, 2, 4 with NSG = 4). Needs subgroups of 32 consecutive invocations.
+// Workgroup memory (bytes): 2 * 2 * 16 HS (HS = 136) + 4 * 2 * 4 * 16 (16 NT + 4) + 16 * 64
+// (_index_branch.sgmat_scores_workgroup_bytes: 19968, 28160, 44544 for NT = 1, 2, 4). Needs subgroups of 32 consecutive invocations.
 // The loader prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
 
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
@@ -75,8 +74,8 @@ override ND: u32 = DV / 4u;              // 16-dim chunks of a row (1 .. 8)
 override RW: u32 = 16u * NT + 4u;        // f32 row stride of a result buffer
 override RB: u32 = 16u * RW;             // f32 of one result buffer (16 rows)
 override KS: u32 = 4u * DV;              // f16 row stride of the keys in storage
-override NSG: u32 = 4u;                  // subgroups = 16-row tiles
-override WG: u32 = 32u * NSG;
+const NSG: u32 = 4u;                     // subgroups = 16-row tiles
+const WG: u32 = 128u;
 // The staged query tile has a constant size that holds every matrix load of the shader, even
 // those a smaller ND never runs (Tint checks them all against the array's size).
 const HS: u32 = 136u;                    // f16 row stride of the staged query tile (16-byte rows)
@@ -110,7 +109,7 @@ struct Params {
 // NVIDIA misplaced matrix accesses of arrays that followed scalars adding up to 12 bytes).
 var<workgroup> qs: array<f16, 2u * QH>;           // one staged 16-row query tile: hi, then lo
 var<workgroup> res: array<f32, 2u * NSG * RB>;    // S' of a step: [subgroup][buffer][row][position]
-var<workgroup> rinf: array<vec4<f32>, 16u * NSG>;        // per row: (2^-e, 1 if the query is not finite, 0, 0)
+var<workgroup> rinf: array<vec4<f32>, 64>;        // per row: (2^-e, 1 if the query is not finite, 0, 0)
 
 alias Left = subgroup_matrix_left<f16, 16, 16>;
 alias Right = subgroup_matrix_right<f16, 16, 16>;
@@ -126,20 +125,6 @@ fn logit_key(x: f32) -> u32 {
         return ~b;
     }
     return b | 0x80000000u;
-}
-
-// Order-preserving u32 of a finite float32 (-0 below +0; never 0), and its inverse. With a
-// nonzero scale the fold keeps the largest order key of sgn S' over the fast path's positions and
-// scales that one S': the logit scale (S' 2^-e) is a non-decreasing function of sgn S' in this
-// order (two correctly rounded products by factors that sgn makes positive, overflow to +-inf
-// included), so its key is the largest key of the positions' logits, bit for bit.
-fn order_key(x: f32) -> u32 {
-    let b = bitcast<u32>(x);
-    return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
-}
-
-fn order_value(k: u32) -> f32 {
-    return bitcast<f32>(select(~k, k & 0x7fffffffu, (k & 0x80000000u) != 0u));
 }
 
 // x with its float32 mantissa cut to the 11 bits of a float16 (see step 2 above)
@@ -254,10 +239,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var fbad = false;                // its query holds NaN or +-inf
     var qo = 0u;                     // its vec4 offset in iq
     var qe = 0;                      // exclusive end of its visible positions
-    // -1 when the scale is negative: the logit then falls as S' grows; a zero scale keeps the
-    // per-position keys (0 times an S' 2^-e that overflows is NaN: no order to keep)
-    let sgn = select(1.0, -1.0, params.scale < 0.0);
-    let fold_max = params.scale != 0.0;
 
     for (var it = first; it < min(first + IPW, params.n_items); it++) {
         let ib = params.items_off + (params.item_base + it) * 8u;
@@ -298,8 +279,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             qe = bitcast<i32>(plan[t0 + (r0 + rs) / nh]);
         }
 
-        var best = 0u;  // the largest key of the logits taken one by one (exact path; zero scale)
-        var zk = 0u;    // the largest order key of sgn S' over the fast path's positions (0: none)
+        var best = 0u;
         for (var k0 = 0u; k0 < npos; k0 += 16u * NT) {
             let rb = (2u * sg + par) * RB;  // this step's result buffer
             for (var u = 0u; u < NT; u++) {
@@ -363,26 +343,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     kb = key_row(pg, tp);
                 }
                 if (live && kb != INVALID) {
-                    // all 8 positions visible (the usual case: one test instead of 8)
-                    let all = tp + fh + 8u <= npos && i32(s * BS + tp + fh + 8u) <= qe;
                     for (var c = 0u; c < 8u; c++) {
                         let p = tp + fh + c;
-                        let vis = all || (p < npos && i32(s * BS + p) < qe);
-                        let z = res[rb + (fr % 16u) * RW + 16u * u + fh + c];
+                        let vis = p < npos && i32(s * BS + p) < qe;
+                        var z = res[rb + (fr % 16u) * RW + 16u * u + fh + c];
+                        var f = us;
                         if (vis && (fbad || (bitcast<u32>(z) & 0x7f800000u) == 0x7f800000u)) {
-                            best = max(best, logit_key(params.scale * exact_logit(qo, kb + (fh + c) * KS)));
-                        } else if (vis && fold_max) {
-                            zk = max(zk, order_key(sgn * z));
-                        } else if (vis) {
-                            best = max(best, logit_key(params.scale * (z * us)));
+                            z = exact_logit(qo, kb + (fh + c) * KS);
+                            f = 1.0;
                         }
+                        best = max(best, select(0u, logit_key(params.scale * (z * f)), vis));
                     }
                 }
             }
-        }
-        // the fast path's largest logit: its S' (sgn is +-1: exact both ways) scaled once
-        if (zk != 0u) {
-            best = max(best, logit_key(params.scale * ((sgn * order_value(zk)) * us)));
         }
         // the two lanes of a row combine; the even one writes
         best = max(best, subgroupShuffleXor(best, 1u));

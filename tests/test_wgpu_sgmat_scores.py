@@ -14,7 +14,6 @@ import pytest
 from paged_sparse_attn.backends.wgpu._index_branch import (
     SCORES_SGMAT,
     SGMAT_SCORES_IPW,
-    SGMAT_SCORES_NSG,
     SGMAT_SCORES_NT,
     score_dispatches,
     sgmat_scores_constants,
@@ -43,17 +42,7 @@ def test_kernel_table_row_is_a_subgroup_matrix_drop_in_for_the_fma_kernel():
 @pytest.mark.parametrize("rows, rt", [(9, 16), (16, 16), (17, 32), (33, 64), (64, 64), (200, 64)])
 def test_the_kernel_tile_covers_the_items_rows(rows, rt):
     geo, why = _pick(rows_per_seq=rows, choice="sgmat")
-    assert geo == {"RT": min(rt, 16 * SGMAT_SCORES_NSG), "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW,
-                   "NSG": SGMAT_SCORES_NSG}, why
-
-
-@pytest.mark.parametrize("nsg, rows, rt", [(1, 64, 16), (2, 64, 32), (2, 17, 32), (2, 9, 16), (4, 200, 64)])
-def test_items_hold_at_most_one_16_row_tile_per_subgroup(monkeypatch, nsg, rows, rt):
-    from paged_sparse_attn.backends.wgpu import _index_branch
-
-    monkeypatch.setattr(_index_branch, "SGMAT_SCORES_NSG", nsg)
-    geo, why = _pick(rows_per_seq=rows, choice="sgmat")
-    assert (geo["RT"], geo["NSG"]) == (rt, nsg), why
+    assert geo == {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW}, why
 
 
 def test_auto_follows_the_measured_choice(monkeypatch):
@@ -110,11 +99,8 @@ def test_forcing_the_tensor_core_kernel_where_it_cannot_run_raises():
         _pick(hnd=False, choice="sgmat")
 
 
-# (Tint's Null adapter reports subgroups of up to 128 invocations and refuses subgroup-matrix
-# workgroups of fewer: only NSG = 4 compiles there)
-@pytest.mark.parametrize("rt, nt, ipw, dv, nsg", [(16, 1, 1, 32, 4), (32, 2, 8, 4, 4), (64, 4, 16, 16, 4),
-                                                   (64, 2, 8, 32, 4)])
-def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device, rt, nt, ipw, dv, nsg):
+@pytest.mark.parametrize("rt, nt, ipw, dv", [(16, 1, 1, 32), (32, 2, 8, 4), (64, 4, 16, 16), (64, 2, 8, 32)])
+def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device, rt, nt, ipw, dv):
     """The Null adapter allows 16 KiB of workgroup memory: the pipeline is refused with the
     byte count Tint computed from the shader, which must be the host's."""
     device, ctx = tint_device
@@ -122,10 +108,10 @@ def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device,
     with pytest.raises(Exception) as err:
         device.create_compute_pipeline(layout="auto", compute={
             "module": module, "entry_point": "main",
-            "constants": {"DV": dv, "S": 64, "BS": 128, "RT": rt, "NT": nt, "IPW": ipw, "NSG": nsg}})
+            "constants": {"DV": dv, "S": 64, "BS": 128, "RT": rt, "NT": nt, "IPW": ipw}})
     used = re.search(r"workgroup storage \((\d+) bytes\)", str(err.value))
     assert used is not None, str(err.value)
-    assert int(used.group(1)) == sgmat_scores_workgroup_bytes(nt, nsg)
+    assert int(used.group(1)) == sgmat_scores_workgroup_bytes(nt)
 
 
 def test_the_scores_kernel_option_is_checked_and_forcing_says_why(WgpuBackend):

@@ -97,18 +97,14 @@ SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many inv
 # IPW=16 9.64, NT=2 IPW=8 10.74, NT=1 IPW=8 12.12, NT=2 IPW=1 15.77; the FMA kernel 8.24 ms.
 SGMAT_SCORES_NT = 1   # 16-position tiles per step of the kernel (1, 2 or 4)
 SGMAT_SCORES_IPW = 16  # consecutive work items per workgroup (the queries are staged once for them)
-SGMAT_SCORES_NSG = 4  # subgroups per workgroup, one 16-row tile each (1, 2 or 4: items of <= 16 NSG rows)
 SGMAT_SCORES_AUTO = True
 
 
-def sgmat_scores_workgroup_bytes(nt: int | None = None, nsg: int | None = None) -> int:
+def sgmat_scores_workgroup_bytes(nt: int = SGMAT_SCORES_NT) -> int:
     """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable a whole number of 16-byte
     units, as Dawn counts it): the staged query tile (hi and lo, 16 rows of 136 halves), two
-    result buffers of 16 x (16 NT + 4) floats per subgroup (NSG subgroups), the 16 NSG row
-    records. ``None``: the module's NT / NSG."""
-    nt = SGMAT_SCORES_NT if nt is None else int(nt)
-    nsg = SGMAT_SCORES_NSG if nsg is None else int(nsg)
-    return 2 * 2 * 16 * 136 + nsg * 2 * 4 * 16 * (16 * nt + 4) + 16 * 16 * nsg
+    result buffers of 16 x (16 NT + 4) floats per subgroup (4 subgroups), the 64 row records."""
+    return 2 * 2 * 16 * 136 + 4 * 2 * 4 * 16 * (16 * int(nt) + 4) + 16 * 64
 
 
 def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd: bool,
@@ -139,14 +135,14 @@ def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd
     elif getattr(ctx, "subgroup", (None,))[0] != SGMAT_SCORES_SUBGROUP:
         why = f"the subgroup size is not {SGMAT_SCORES_SUBGROUP}"
     else:
-        rt = min(16 * SGMAT_SCORES_NSG, max(16, score_rows_per_item(rows_per_seq)))
+        rt = max(16, score_rows_per_item(rows_per_seq))
         if sgmat_scores_workgroup_bytes() > ctx.workgroup_storage:
             why = f"{sgmat_scores_workgroup_bytes()} bytes of workgroup memory needed"
         elif choice == "auto" and not SGMAT_SCORES_AUTO:
             return None, ("the tensor-core kernel is turned off for 'auto' (SGMAT_SCORES_AUTO); ask for it "
                           "with the 'sgmat' choice")
         else:
-            return {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW, "NSG": SGMAT_SCORES_NSG}, ""
+            return {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW}, ""
     if choice == "sgmat":
         raise UnsupportedError(f"block_scores(): the tensor-core kernel cannot run: {why} [R18]")
     return None, why
