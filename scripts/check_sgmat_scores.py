@@ -54,10 +54,10 @@ def spy_kernels(be) -> None:
     """Record which block-score kernel each call builds (the kernel name of every pipeline)."""
     orig = be._ib_pipeline
 
-    def spy(kernel, f16, constants):
+    def spy(kernel, f16, constants, *entry):
         if "block_scores" in kernel:
             USED.append(f"{kernel.replace('psa_block_scores', 'scores').replace('.wgsl', '')}{dict(constants)}")
-        return orig(kernel, f16, constants)
+        return orig(kernel, f16, constants, *entry)
 
     be._ib_pipeline = spy
 

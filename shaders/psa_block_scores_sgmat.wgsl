@@ -34,10 +34,13 @@
 //    reach their own result column, which the fold never takes.
 // 5. Steps of NT tiles: acc = sum over the ND chunks of (hi . K^T + lo . K^T) (a fixed order,
 //    R19), stored to the subgroup's result buffer (two buffers per subgroup, alternating: one
-//    barrier per step); lane l then folds row 16 sg + l / 2, positions 8 (l % 2) .. + 7 of every
-//    tile, into a running key in a register (z = scale (S' 2^-e) where visible, as the FMA
-//    kernel's `select`); after the item the two lanes of a row combine (subgroupShuffleXor) and
-//    one writes max(out, key).
+//    barrier per step); lane l then folds row 16 sg + l / 2, positions l % 2 + 2 c (c = 0 .. 7;
+//    rows 8 .. 15 start one c later, so the 32 lanes read 32 banks at every c) of every tile:
+//    where visible (position < lim, the block's positions the row sees) it keeps the largest
+//    order key of sgn S' (sgn = -1 for a negative scale) in a register, and after the item it
+//    scales that one S' (z = scale (S' 2^-e), as the FMA kernel's) into a key: the largest key of
+//    the positions' logits, bit for bit (see order_key). The two lanes of a row then combine
+//    (subgroupShuffleXor) and one writes max(out, key).
 //
 // Exact special cases (R22, R26). With finite operands no scaled product or sum overflows
 // (|hi|, |lo| < 2^15, |k| <= 65504, 128 terms: < 2^38), so a non-finite S' means a key of that
@@ -45,7 +48,9 @@
 // staging. For a visible position with a non-finite S', and for every visible position of a
 // flagged row, the fold recomputes the logit with f32 FMAs from the f32 query and the f16 key
 // (storage; dims ascending, as psa_block_scores.wgsl), unscaled, so NaN and infinities come out
-// as IEEE arithmetic gives them. Positions a row does not see never reach its key. The choice
+// as IEEE arithmetic gives them; such positions (rare: the lane's 8 positions of a tile are
+// checked first, and redone one by one only when one needs it) and all positions when the scale
+// is zero take a key each. Positions a row does not see never reach its key. The choice
 // depends only on the item's own queries and keys: deterministic (R19).
 //
 // Bindings (group 0): as psa_block_scores.wgsl; `ik` is read as f16 (float16 index keys, HND
@@ -125,6 +130,24 @@ fn logit_key(x: f32) -> u32 {
         return ~b;
     }
     return b | 0x80000000u;
+}
+
+// Order-preserving i32 of a finite float32 (-0 below +0; never NO_KEY) and its inverse. With a
+// nonzero scale the fold keeps the largest order key of sgn S' over a row's positions and scales
+// that one S': scale (S' 2^-e) is a non-decreasing function of sgn S' in this order (two
+// correctly rounded products by factors sgn makes positive; signed zeros, subnormals and
+// overflow to +-inf included: tests/test_wgpu_sgmat_scores.py checks it in float32), so its
+// logit_key is the largest of the positions' logit_keys. A zero scale would map an overflowed
+// S' 2^-e to NaN (no order to keep): it keeps a key per position.
+const NO_KEY: i32 = -2147483647 - 1;
+
+fn order_key(x: f32) -> i32 {
+    let b = bitcast<i32>(x);
+    return b ^ ((b >> 31u) & 0x7fffffff);
+}
+
+fn order_value(k: i32) -> f32 {
+    return bitcast<f32>(k ^ ((k >> 31u) & 0x7fffffff));
 }
 
 // x with its float32 mantissa cut to the 11 bits of a float16 (see step 2 above)
@@ -239,6 +262,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var fbad = false;                // its query holds NaN or +-inf
     var qo = 0u;                     // its vec4 offset in iq
     var qe = 0;                      // exclusive end of its visible positions
+    let sgn = select(1.0, -1.0, params.scale < 0.0);  // (see order_key)
+    let fold_max = params.scale != 0.0;
 
     for (var it = first; it < min(first + IPW, params.n_items); it++) {
         let ib = params.items_off + (params.item_base + it) * 8u;
@@ -279,7 +304,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             qe = bitcast<i32>(plan[t0 + (r0 + rs) / nh]);
         }
 
-        var best = 0u;
+        var best = 0u;                       // the largest key of the positions keyed one by one
+        var zk = NO_KEY;                     // the largest order key of sgn S' (fast path)
+        let fastrow = fold_max & !fbad;      // (per item: its rows may change)
+        let lim = min(i32(npos), qe - i32(s * BS));  // visible positions of the block: p < lim
         for (var k0 = 0u; k0 < npos; k0 += 16u * NT) {
             let rb = (2u * sg + par) * RB;  // this step's result buffer
             for (var u = 0u; u < NT; u++) {
@@ -335,7 +363,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             workgroupBarrier();  // the stores are visible (and the other buffer's fold is done)
             par = 1u - par;
-            // fold: row fr, positions fh .. fh + 7 of each tile of the step
+            // fold: row fr, positions pc (below) of each tile of the step
             for (var u = 0u; u < NT; u++) {
                 let tp = k0 + 16u * u;
                 var kb = INVALID;
@@ -343,19 +371,34 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     kb = key_row(pg, tp);
                 }
                 if (live && kb != INVALID) {
+                    var bad = false;  // a visible position needs a key of its own
                     for (var c = 0u; c < 8u; c++) {
-                        let p = tp + fh + c;
-                        let vis = p < npos && i32(s * BS + p) < qe;
-                        var z = res[rb + (fr % 16u) * RW + 16u * u + fh + c];
-                        var f = us;
-                        if (vis && (fbad || (bitcast<u32>(z) & 0x7f800000u) == 0x7f800000u)) {
-                            z = exact_logit(qo, kb + (fh + c) * KS);
-                            f = 1.0;
+                        let pc = (lane % 2u) + 2u * ((c + lane / 16u) % 8u);
+                        let p = tp + pc;
+                        let vis = i32(p) < lim;
+                        let z = res[rb + (fr % 16u) * RW + 16u * u + pc];
+                        let fast = vis & fastrow & ((bitcast<u32>(z) & 0x7f800000u) != 0x7f800000u);
+                        bad = bad | (vis & !fast);
+                        zk = max(zk, select(NO_KEY, order_key(sgn * z), fast));
+                    }
+                    if (bad) {
+                        for (var c = 0u; c < 8u; c++) {
+                            let pc = (lane % 2u) + 2u * ((c + lane / 16u) % 8u);
+                            let p = tp + pc;
+                            let vis = i32(p) < lim;
+                            let z = res[rb + (fr % 16u) * RW + 16u * u + pc];
+                            if (vis & (fbad | ((bitcast<u32>(z) & 0x7f800000u) == 0x7f800000u))) {
+                                best = max(best, logit_key(params.scale * exact_logit(qo, kb + pc * KS)));
+                            } else if (vis & !fold_max) {
+                                best = max(best, logit_key(params.scale * (z * us)));
+                            }
                         }
-                        best = max(best, select(0u, logit_key(params.scale * (z * f)), vis));
                     }
                 }
             }
+        }
+        if (zk != NO_KEY) {  // the fast path's largest logit: its S' scaled once
+            best = max(best, logit_key(params.scale * ((sgn * order_value(zk)) * us)));
         }
         // the two lanes of a row combine; the even one writes
         best = max(best, subgroupShuffleXor(best, 1u));

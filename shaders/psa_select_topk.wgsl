@@ -6,6 +6,10 @@
 // (key, msb - 1 - id): larger is better, and two candidates never compare equal, so "descending
 // score, ties to the lower id" is a strict total order that any algorithm reproduces exactly.
 //
+// Two entry points, one per kind of row (the host picks by msb; RANK_MAX = 4 WG):
+//   main       rows of more than RANK_MAX scores: steps 1-4 below;
+//   rank_rows  rows of at most RANK_MAX scores: ranked by counting (below).
+//
 // Per row, with n = min(slots left after the local block, candidates):
 //   1. count the candidates;
 //   2. if n < count: radix-select the n-th best composite, 8 bits at a time (4 passes over the
@@ -17,11 +21,16 @@
 //      of the row; the candidate is written to slot (local ? 1 : 0) + rank;
 //   4. slot 0 = the local block (if any), slots past the chosen ones = -1.
 //
-// Short rows (msb <= RANK_MAX) skip 2 and 3: the row's keys go to workgroup memory once and every
-// candidate counts the candidates better than it (msb comparisons, all lanes reading the same
-// word); a rank below n is its slot. Same order, same result, bit for bit; one pass over the
-// row and one barrier instead of 4 + lo_passes radix passes of 4 barriers each (the decode layer's
-// 256-block rows: 25-28 us of top-k on the H200, nearly all of it barriers).
+// Short rows (rank_rows) skip 2 and 3: every candidate counts the candidates better than it; a
+// rank below n is its slot. Same order, same result, bit for bit; one pass over the row and a
+// few barriers instead of 4 + lo_passes radix passes of 4 barriers each (the decode layer's
+// 256-block rows: 25-28 us of top-k on the H200, nearly all of it barriers). Lane l holds ids l,
+// l + WG, l + 2 WG, l + 3 WG. When n <= WG only a short list is counted: T = the n-th best of
+// the lanes' best candidates bounds the n-th best of the row from below (n distinct lanes hold a
+// candidate >= T), so the row's best n are among the candidates >= T, at most 4 n of them (only
+// n lanes have a best >= T), and a candidate of the best n has the same rank in that list as in
+// the row (prefill rows of 256 blocks on an H200: 315 -> 277 us for 16384 rows; and 89 us with
+// rank_rows' smaller workgroup memory). Else each candidate counts over the row's keys.
 //
 // Bindings (group 0)
 //   0 params  uniform              Params (below; one record per dispatch)
@@ -33,14 +42,12 @@
 //
 // Override constants
 //   WG   workgroup size
-//   CAP  chosen candidates ranked in workgroup memory (8 bytes each)
-//   RANK_MAX rows of at most this many scores are ranked by counting (<= min(CAP, 4 WG); 0: never)
+//   CAP  chosen candidates ranked in workgroup memory (8 bytes each; rank_rows: 4 WG)
 //   KEYS 1: `scores` holds the u32 keys of psa_block_scores.wgsl instead of float32 bits (a
 //        device-resident MSA layer feeds the block scores straight in; key_bits decodes them)
 
 override WG: u32 = 64u;
 override CAP: u32 = 1024u;
-override RANK_MAX: u32 = 0u;  // rows this short: ranked by counting (the host keeps it <= min(CAP, 4 WG))
 override KEYS: u32 = 0u;  // 1: `scores` holds psa_block_scores.wgsl keys (the device-resident layer)
 const INVALID_ID: u32 = 0xffffffffu;  // no local block
 
@@ -69,6 +76,10 @@ var<workgroup> bcast_digit: u32;
 var<workgroup> rem: u32;  // rank still to find within the current prefix (thread 0 only)
 var<workgroup> c_key: array<u32, CAP>;
 var<workgroup> c_id: array<u32, CAP>;
+var<workgroup> lane_key: array<u32, WG>;  // short rows: each lane's best candidate (key, id)
+var<workgroup> lane_id: array<u32, WG>;
+var<workgroup> t_key: u32;                // and the n-th best of them (key 0: no bound)
+var<workgroup> t_id: u32;
 
 // float32 bits of a block-score key of psa_block_scores.wgsl (KEYS = 1): 0 = nothing visible
 // (-inf), 0xffffffff = NaN, else the inverse of its order-preserving map
@@ -102,32 +113,70 @@ fn score_key(raw: u32) -> u32 {
     return b | 0x80000000u;
 }
 
+// A row of this dispatch (workgroup wi): where its scores and slots are, its local block.
+struct Row {
+    base: u32,       // its first score
+    obase: u32,      // its first slot
+    msb: u32,
+    local: i32,      // its local block, -1 = none
+    lb: u32,         // the same as an id (INVALID_ID = none)
+    slot0: u32,      // 1 when slot 0 holds the local block
+    kk: u32,         // slots for candidates
+}
+
+fn row_of(wi: u32) -> Row {
+    let row = params.row_base + wi;
+    let local = local_block[row / params.heads];
+    let slot0 = select(0u, 1u, local >= 0);
+    return Row(row * params.msb, row * params.k_out, params.msb, local, select(INVALID_ID, u32(local), local >= 0),
+               slot0, params.k_out - slot0);
+}
+
+// the counters every row starts from (zeroed by one invocation; a barrier follows)
+fn clear_counters(lid: u32) {
+    if (lid == 0u) {
+        atomicStore(&n_cand, 0u);
+        atomicStore(&n_fill, 0u);
+        t_key = 0u;
+        t_id = 0u;
+    }
+}
+
+// Rows of more than RANK_MAX scores (RANK_MAX = 4 WG): steps 1-4 of the header.
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let wi = wid.y * params.grid_x + wid.x;
     if (wi >= params.n_rows) {
         return;
     }
-    let row = params.row_base + wi;
-    let msb = params.msb;
-    let base = row * msb;
-    let obase = row * params.k_out;
-    let local = local_block[row / params.heads];
-    let has_local = local >= 0;
-    let lb = select(INVALID_ID, u32(local), has_local);
-    let slot0 = select(0u, 1u, has_local);
-    let kk = params.k_out - slot0;
-
-    if (lid == 0u) {
-        atomicStore(&n_cand, 0u);
-        atomicStore(&n_fill, 0u);
-    }
+    clear_counters(lid);
     workgroupBarrier();
+    radix_row(lid, row_of(wi));
+}
 
-    if (msb <= RANK_MAX) {  // (uniform: params and an override)
-        rank_row(lid, base, obase, msb, lb, slot0, kk, local, has_local);
+// Rows of at most RANK_MAX scores, ranked by counting. A pipeline of this entry point takes
+// CAP = 4 WG and none of the radix select's workgroup memory, so more workgroups fit on a
+// multiprocessor than with `main`'s CAP.
+@compute @workgroup_size(WG)
+fn rank_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let wi = wid.y * params.grid_x + wid.x;
+    if (wi >= params.n_rows) {
         return;
     }
+    clear_counters(lid);
+    workgroupBarrier();
+    rank_row(lid, row_of(wi));
+}
+
+fn radix_row(lid: u32, rw: Row) {
+    let base = rw.base;
+    let obase = rw.obase;
+    let msb = rw.msb;
+    let lb = rw.lb;
+    let slot0 = rw.slot0;
+    let kk = rw.kk;
+    let local = rw.local;
+    let has_local = local >= 0;
 
     // 1. candidates
     var mine = 0u;
@@ -266,21 +315,36 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 }
 
-// A short row (msb <= RANK_MAX <= min(CAP, 4 WG)): keys in workgroup memory; lane l holds the
-// keys of ids l, l + WG, l + 2 WG, l + 3 WG and counts, for all four at once, the candidates
-// better than each (one workgroup-memory read per id of the row, four ids per loop step so the
-// reads overlap); a rank below n = min(kk, candidates) is the candidate's slot.
-fn rank_row(lid: u32, base: u32, obase: u32, msb: u32, lb: u32, slot0: u32, kk: u32, local: i32,
-            has_local: bool) {
+// A short row (msb <= CAP <= 4 WG: the host's RANK_MAX): lane l holds the keys of ids l, l + WG,
+// l + 2 WG, l + 3 WG (four ids per loop step, so the reads overlap); a candidate's rank is the
+// number of candidates better than it, among the list of candidates >= T when n <= WG and the
+// list's at most 4 n entries fit in c_key / c_id (see the header), else among the whole row's
+// keys there; a rank below n = min(kk, candidates) is the candidate's slot.
+fn rank_row(lid: u32, rw: Row) {
+    let base = rw.base;
+    let obase = rw.obase;
+    let msb = rw.msb;
+    let lb = rw.lb;
+    let slot0 = rw.slot0;
+    let kk = rw.kk;
+    let local = rw.local;
+    let has_local = local >= 0;
     let jv = vec4<u32>(lid, lid + WG, lid + 2u * WG, lid + 3u * WG);
     var kv = vec4<u32>(0u);  // keys of ids jv (0 past msb: never a candidate)
+    var bk = 0u;             // this lane's best candidate (ids ascend: a tie keeps the first)
+    var bj = 0u;
     for (var i = 0u; i < 4u; i++) {
         if (jv[i] < msb) {
             let key = select(score_key(scores[base + jv[i]]), 0u, jv[i] == lb);
-            c_key[jv[i]] = key;
             kv[i] = key;
+            if (key > bk) {
+                bk = key;
+                bj = jv[i];
+            }
         }
     }
+    lane_key[lid] = bk;
+    lane_id[lid] = bj;
     let mine = dot(select(vec4<u32>(0u), vec4<u32>(1u), kv != vec4<u32>(0u)), vec4<u32>(1u));
     atomicAdd(&n_cand, mine);
     workgroupBarrier();
@@ -289,24 +353,69 @@ fn rank_row(lid: u32, base: u32, obase: u32, msb: u32, lb: u32, slot0: u32, kk: 
     }
     let n = min(kk, workgroupUniformLoad(&bcast_cnt));
     var rank = vec4<u32>(0u);
-    let m4 = msb & ~3u;
-    for (var m = 0u; m < m4; m += 4u) {
-        let k0 = vec4<u32>(c_key[m]);
-        let k1 = vec4<u32>(c_key[m + 1u]);
-        let k2 = vec4<u32>(c_key[m + 2u]);
-        let k3 = vec4<u32>(c_key[m + 3u]);
-        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k0 > kv) | ((k0 == kv) & (vec4<u32>(m) < jv)));
-        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k1 > kv) | ((k1 == kv) & (vec4<u32>(m + 1u) < jv)));
-        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k2 > kv) | ((k2 == kv) & (vec4<u32>(m + 2u) < jv)));
-        rank += select(vec4<u32>(0u), vec4<u32>(1u), (k3 > kv) | ((k3 == kv) & (vec4<u32>(m + 3u) < jv)));
-    }
-    for (var m = m4; m < msb; m++) {
-        let km = vec4<u32>(c_key[m]);
-        rank += select(vec4<u32>(0u), vec4<u32>(1u), (km > kv) | ((km == kv) & (vec4<u32>(m) < jv)));
-    }
-    for (var i = 0u; i < 4u; i++) {
-        if (kv[i] != 0u && rank[i] < n) {
-            out[obase + slot0 + rank[i]] = i32(jv[i]);
+    if (n > 0u && n <= WG && 4u * n <= CAP) {  // (uniform)
+        // T: the lane best of rank n - 1 among the lane bests (none when fewer lanes have one)
+        if (bk != 0u) {
+            var r = 0u;
+            for (var m = 0u; m < WG; m++) {
+                let km = lane_key[m];
+                r += select(0u, 1u, km > bk || (km == bk && lane_id[m] < bj));
+            }
+            if (r == n - 1u) {
+                t_key = bk;
+                t_id = bj;
+            }
+        }
+        workgroupBarrier();
+        let tk = t_key;
+        let tj = t_id;
+        for (var i = 0u; i < 4u; i++) {
+            if (kv[i] != 0u && (kv[i] > tk || (kv[i] == tk && jv[i] <= tj))) {
+                let x = atomicAdd(&n_fill, 1u);  // list order is free: the rank below is not
+                c_key[x] = kv[i];
+                c_id[x] = jv[i];
+            }
+        }
+        workgroupBarrier();
+        let c = atomicLoad(&n_fill);
+        for (var x = lid; x < c; x += WG) {
+            let ki = c_key[x];
+            let ii = c_id[x];
+            var r = 0u;
+            for (var m = 0u; m < c; m++) {
+                let km = c_key[m];
+                r += select(0u, 1u, km > ki || (km == ki && c_id[m] < ii));
+            }
+            if (r < n) {
+                out[obase + slot0 + r] = i32(ii);
+            }
+        }
+    } else {
+        for (var i = 0u; i < 4u; i++) {
+            if (jv[i] < msb) {
+                c_key[jv[i]] = kv[i];
+            }
+        }
+        workgroupBarrier();
+        let m4 = msb & ~3u;
+        for (var m = 0u; m < m4; m += 4u) {
+            let k0 = vec4<u32>(c_key[m]);
+            let k1 = vec4<u32>(c_key[m + 1u]);
+            let k2 = vec4<u32>(c_key[m + 2u]);
+            let k3 = vec4<u32>(c_key[m + 3u]);
+            rank += select(vec4<u32>(0u), vec4<u32>(1u), (k0 > kv) | ((k0 == kv) & (vec4<u32>(m) < jv)));
+            rank += select(vec4<u32>(0u), vec4<u32>(1u), (k1 > kv) | ((k1 == kv) & (vec4<u32>(m + 1u) < jv)));
+            rank += select(vec4<u32>(0u), vec4<u32>(1u), (k2 > kv) | ((k2 == kv) & (vec4<u32>(m + 2u) < jv)));
+            rank += select(vec4<u32>(0u), vec4<u32>(1u), (k3 > kv) | ((k3 == kv) & (vec4<u32>(m + 3u) < jv)));
+        }
+        for (var m = m4; m < msb; m++) {
+            let km = vec4<u32>(c_key[m]);
+            rank += select(vec4<u32>(0u), vec4<u32>(1u), (km > kv) | ((km == kv) & (vec4<u32>(m) < jv)));
+        }
+        for (var i = 0u; i < 4u; i++) {
+            if (kv[i] != 0u && rank[i] < n) {
+                out[obase + slot0 + rank[i]] = i32(jv[i]);
+            }
         }
     }
     if (has_local && lid == 0u) {

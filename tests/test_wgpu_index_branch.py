@@ -521,3 +521,47 @@ def test_R22_R24_wgpu_index_kernels_give_the_same_bits_without_runtime_checks(Wg
     built = {(k[0], k[3]) for be in (on, off) for k in be._device().pipelines}
     names = {k for k, _ in built if "block_scores" in k or "select_topk" in k}
     assert names and all((n, True) in built and (n, False) in built for n in names)
+
+
+@pytest.mark.parametrize("msb, entry", [(1, "rank_rows"), (255, "rank_rows"), (256, "rank_rows"), (257, "main"),
+                                        (4096, "main")])
+def test_R24_topk_entry_point_by_row_length(msb, entry):
+    """Rows of at most RANK_MAX scores take `rank_rows` (counting, CAP = RANK_MAX), longer rows the
+    radix select of `main` (CAP from the device's workgroup memory)."""
+    from types import SimpleNamespace
+
+    from paged_sparse_attn.backends.wgpu._index_branch import (
+        TOPK_RANK_MAX,
+        TOPK_WG,
+        topk_cap,
+        topk_pipeline_args,
+    )
+
+    ctx = SimpleNamespace(workgroup_storage=32768)
+    got, consts = topk_pipeline_args(ctx, True, msb)
+    assert got == entry and consts["WG"] == TOPK_WG and consts["KEYS"] == 1
+    assert consts["CAP"] == (min(TOPK_RANK_MAX, 4 * TOPK_WG) if entry == "rank_rows" else topk_cap(ctx))
+    assert "KEYS" not in topk_pipeline_args(ctx, False, msb)[1]
+
+
+def test_R24_topk_rank_rows_needs_a_quarter_of_mains_workgroup_memory(tint_device):
+    """What `rank_rows` is for: Tint counts its workgroup memory without the radix select's
+    histograms and with CAP = RANK_MAX (the Null adapter refuses more than 16 KiB and says how
+    much a pipeline asked for)."""
+    import re
+    from types import SimpleNamespace
+
+    from paged_sparse_attn.backends.wgpu._index_branch import TOPK, topk_pipeline_args
+    from paged_sparse_attn.backends.wgpu._kernels import kernel_source
+
+    device, ctx = tint_device
+    module = device.create_shader_module(code=kernel_source(ctx, TOPK))
+    used = {}
+    for msb in (256, 4096):
+        entry, consts = topk_pipeline_args(SimpleNamespace(workgroup_storage=49152), True, msb)
+        consts = {**consts, "CAP": consts["CAP"] + 2000}  # over the Null adapter's limit by a known amount
+        with pytest.raises(Exception) as err:
+            device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry,
+                                                                   "constants": consts})
+        used[entry] = int(re.search(r"workgroup storage \((\d+) bytes\)", str(err.value)).group(1)) - 16000
+    assert used["rank_rows"] <= 2640 and used["main"] >= 9500, used

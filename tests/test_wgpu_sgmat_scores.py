@@ -9,6 +9,7 @@ the workgroup memory of its pipelines, which must equal the host's count.
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from paged_sparse_attn.backends.wgpu._index_branch import (
@@ -148,3 +149,42 @@ def test_score_dispatches_give_every_item_to_one_workgroup(n, ipw, maxdim):
         for w in range(gx * gy):
             seen += [base + i for i in range(w * ipw, min(w * ipw + ipw, cnt))]
     assert sorted(seen) == list(range(n))
+
+
+def _order_key(x):
+    """The kernel's order_key: float32 -> int32 order (-0 below +0) for finite x."""
+    b = np.asarray(x, np.float32).view(np.int32)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+def _logit_key(x):
+    """The kernel's logit_key: float32 -> uint32 order, NaN above everything."""
+    b = np.asarray(x, np.float32).view(np.uint32)
+    k = np.where(b & 0x80000000, ~b, b | 0x80000000)
+    return np.where((b & 0x7FFFFFFF) > 0x7F800000, 0xFFFFFFFF, k).astype(np.uint32)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_fold_scaling_one_S_per_row_keeps_the_largest_logit_key(seed):
+    """The fold of psa_block_scores_sgmat.wgsl keeps, for a nonzero scale, the largest order key of
+    sgn S' over a row's positions and scales only that S': the largest key of scale (S' 2^-e)
+    over the positions, bit for bit, because both float32 products round monotonically (signed
+    zeros, subnormals and overflow to +-inf included). float32 arithmetic, as the kernel's."""
+    rng = np.random.default_rng(seed)
+    special = np.array([0.0, -0.0, 1e-45, -1e-45, 1e-38, -1e-38, 3e38, -3e38, 1.0, -1.0], np.float32)
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        z = (rng.standard_normal(n) * np.float32(10.0) ** rng.integers(-30, 30)).astype(np.float32)
+        pick = rng.random(n) < 0.3
+        z[pick] = rng.choice(special, int(pick.sum()))
+        us = np.float32(2.0) ** np.float32(rng.integers(-126, 114))  # 2^-e, e in [-113, 126]
+        scale = np.float32(rng.choice([rng.standard_normal(), 1e-40, -1e-40, 3e38, -3e38, 0.088, -1.0]))
+        if scale == 0:
+            continue  # a zero scale keeps the per-position keys (0 * inf is NaN)
+        with np.errstate(over="ignore", under="ignore"):
+            want = _logit_key(scale * (z * us)).max()
+            sgn = np.float32(-1.0 if scale < 0 else 1.0)
+            k = _order_key(sgn * z).max()
+            zm = sgn * np.array([k ^ ((k >> 31) & 0x7FFFFFFF)], np.int32).view(np.float32)[0]
+            got = _logit_key(scale * (zm * us))
+        assert got == want, (z, us, scale)

@@ -24,8 +24,10 @@ loop's time when the host is what the loop waits for, below it when the GPU is.
 
 Kernel references from the same run: the partials+combine time of one call from GPU timestamps
 (``profile_forward``'s ``call_s``), and the pass split of a plan's call (``gpu_index_s``,
-``gpu_invert_s``, ``gpu_attention_s``) from a backend with ``timestamps=True``. Nothing here
-asserts a time.
+``gpu_invert_s``, ``gpu_attention_s``) from a backend with ``timestamps=True``; torch's index
+branch alone in GPU time (``index_gpu_s``, CUDA events: scores, mask, block maxima, local block,
+top-k over index keys gathered beforehand), the peer of ``split_gpu_index_s``
+(``speedup_vs_torch_index_gpu``). Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ def _torch(lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
     """torch on the same problem: gather+SDPA given the selection, and the whole layer."""
     import torch
 
-    from .peers import _dev, gather_sdpa_fn
+    from .peers import _dev, cuda_time, gather_sdpa_fn
 
     dev = _dev()
     w = lw.w
@@ -226,11 +228,28 @@ def _torch(lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
         if dev != "cpu":
             torch.cuda.synchronize()
 
+    # the index branch alone, GPU time (CUDA events, as the index suite's peer): the layer's
+    # scores, mask, block maxima, local block and top-k, from index keys gathered beforehand
+    # (torch's gather of the paged keys left out: the stricter comparison)
+    keys0 = ikt[bt[:, :nblk * ppb]].reshape(B, nblk * BS, -1)
+
+    def index_only():
+        s = torch.einsum("bthd,bld->bthl", tiq[0].view(B, T, kvh, -1), keys0) * scale
+        s = s.masked_fill(masked[None, :, None, :], float("-inf"))
+        blk = s.view(B, T, kvh, nblk, BS).amax(-1)
+        blk.scatter_(-1, local[None, :, None, None].expand(B, T, kvh, 1), float("inf"))
+        return torch.topk(blk, K, dim=-1).indices
+
     n = lw.layers
-    return dict(attention_s=_loop_time(lambda j: run(tq[j]), sync, n, repeat, False),
-                attention_synced_s=_loop_time(lambda j: run(tq[j]), sync, n, repeat, True),
-                layer_s=_loop_time(layer, sync, n, repeat, False),
-                layer_synced_s=_loop_time(layer, sync, n, repeat, True))
+    row = dict(attention_s=_loop_time(lambda j: run(tq[j]), sync, n, repeat, False),
+               attention_synced_s=_loop_time(lambda j: run(tq[j]), sync, n, repeat, True),
+               layer_s=_loop_time(layer, sync, n, repeat, False),
+               layer_synced_s=_loop_time(layer, sync, n, repeat, True))
+    try:
+        row["index_gpu_s"] = cuda_time(index_only, max(repeat, 10))
+    except Exception as exc:  # noqa: BLE001 -- the loops above stand without it
+        row["index_error"] = f"{type(exc).__name__}: {exc}"
+    return row
 
 
 def run_layer(*, quick: bool = False, backends: Sequence[str] | None = None, repeat: int | None = None,
@@ -278,5 +297,7 @@ def _ratios(rows: list[dict]) -> None:
             for k in ("attention_s", "attention_synced_s", "layer_s", "layer_synced_s"):
                 if r.get(k) and peer.get(k):
                     r[f"speedup_vs_torch_{k[:-2]}"] = peer[k] / r[k]
+            if r.get("split_gpu_index_s") and peer.get("index_gpu_s"):
+                r["speedup_vs_torch_index_gpu"] = peer["index_gpu_s"] / r["split_gpu_index_s"]
         if r.get("kernel_call_s") and r.get("attention_s"):
             r["attention_over_kernel"] = r["attention_s"] / r["kernel_call_s"]

@@ -166,7 +166,7 @@ def score_rows_per_item(rows_per_seq: int) -> int:
     sequence (at least 8: one subgroup of 32 invocations); decode items have Hkv rows."""
     return int(min(SCORES_WG, max(8, 1 << max(0, int(rows_per_seq) - 1).bit_length())))
 TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
-# rows of at most this many block scores are ranked by counting (override RANK_MAX; 0 = never):
+# rows of at most this many block scores are ranked by counting (entry point rank_rows; 0 = never):
 # one pass and one barrier instead of the radix passes (see psa_select_topk.wgsl)
 TOPK_RANK_MAX = 4 * TOPK_WG  # (the kernel holds 4 ids per lane)
 
@@ -177,10 +177,18 @@ def topk_cap(ctx) -> int:
     return min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
 
 
-def topk_constants(ctx, keys: bool) -> dict[str, int]:
-    """Override constants of ``psa_select_topk.wgsl`` on a device (``keys``: block-score keys in)."""
+def topk_pipeline_args(ctx, keys: bool, msb: int) -> tuple[str, dict[str, int]]:
+    """``(entry point, override constants)`` of ``psa_select_topk.wgsl`` for rows of ``msb``
+    scores on a device (``keys``: block-score keys in). Rows of at most ``RANK_MAX =
+    min(TOPK_RANK_MAX, topk_cap(ctx), 4 WG)`` scores are ranked by counting, entry point
+    ``rank_rows`` with ``CAP = RANK_MAX``: a workgroup memory of 2.6 KiB instead of 9.4 KiB, so
+    more workgroups per multiprocessor (the prefill shape's top-k on an H200: 277 -> 89 us);
+    longer rows take the radix select, ``main``."""
     cap = topk_cap(ctx)
-    return {"WG": TOPK_WG, "CAP": cap, "RANK_MAX": min(TOPK_RANK_MAX, cap, 4 * TOPK_WG), **({"KEYS": 1} if keys else {})}
+    rank_max = min(TOPK_RANK_MAX, cap, 4 * TOPK_WG)
+    if 0 < int(msb) <= rank_max:
+        return "rank_rows", {"WG": TOPK_WG, "CAP": rank_max, **({"KEYS": 1} if keys else {})}
+    return "main", {"WG": TOPK_WG, "CAP": cap, **({"KEYS": 1} if keys else {})}
 
 
 def topk_record(first: int, count: int, grid_x: int, msb: int, k_out: int, heads: int) -> np.ndarray:
@@ -362,10 +370,10 @@ class IndexBranchMixin:
                 after_device_error(self, exc)
                 raise
 
-    def _ib_pipeline(self, kernel: str, f16: bool, constants: dict):
+    def _ib_pipeline(self, kernel: str, f16: bool, constants: dict, entry: str = "main"):
         """(pipeline, bind group layout) of an index-branch kernel of the kernel table; the
         table's trusted kernels without runtime checks unless ``runtime_checks=True``."""
-        return pipeline(self._device(), kernel, constants, f16=f16, checks=self._runtime_checks)
+        return pipeline(self._device(), kernel, constants, entry=entry, f16=f16, checks=self._runtime_checks)
 
     # --- block scores ----------------------------------------------------------------------------
 
@@ -566,7 +574,8 @@ class IndexBranchMixin:
         if topk_cap(ctx) < 1:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs more than {ctx.workgroup_storage} bytes of "
                                    "workgroup memory [R18]")
-        pipe, bgl = self._ib_pipeline(TOPK, False, topk_constants(ctx, keys=False))
+        entry, consts = topk_pipeline_args(ctx, False, msb)
+        pipe, bgl = self._ib_pipeline(TOPK, False, consts, entry)
         bits = p.scores.view(np.uint32).reshape(Tq, Hkv * msb)
         local = p.local_block.astype(np.int32)
         res = np.empty((Tq, Hkv * k_out), dtype=np.int32)

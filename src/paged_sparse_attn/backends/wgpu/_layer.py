@@ -631,7 +631,7 @@ class DeviceRuntime:
             TOPK,
             _record,
             score_dispatches,
-            topk_constants,
+            topk_pipeline_args,
             topk_record,
         )
         from ._plan import grid_dispatches
@@ -677,7 +677,8 @@ class DeviceRuntime:
                 records.append(_record(f2, cnt, gx, Tq, Hkv, msb, float(p.softmax_scale), 0, int(st.starts[1])))
                 calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
         sp.n_score_calls = len(calls)
-        tpipe, tbgl = be._ib_pipeline(TOPK, False, topk_constants(ctx, keys=True))
+        entry, consts = topk_pipeline_args(ctx, True, msb)
+        tpipe, tbgl = be._ib_pipeline(TOPK, False, consts, entry)
         for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
             records.append(topk_record(f2, cnt, gx, msb, k_out, Hkv))
             calls.append((tpipe, tbgl, [sp.scores, local, self.sel], gx, gy))

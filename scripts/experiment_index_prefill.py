@@ -1,0 +1,141 @@
+"""Experiment: the prefill index branch on the device, kernel variants side by side (GPU timestamps).
+
+Times the block scores and the top-k of ``AttentionPlan.run_sparse`` on the bench's prefill layer
+workload (B = 1, L = 32k, the last 4096 queries, causal, Hkv = 4, d_idx = 128, float16 index
+keys, top-16), as the ``layer`` suite's split does, for each variant in several interleaved
+rounds (the GPU's speed drifts between runs; alternating the variants keeps that out of the
+comparison). A variant is a set of kernel sources: the working tree's, or a ``--variant``
+folder's WGSL files of the same names (a kernel the folder lacks is the working tree's). Every
+variant's output must equal the first one's, bit for bit (the variants compared here are meant
+to give the same bits); a line says when it does not. Run on a machine with Dawn:
+
+    python scripts/experiment_index_prefill.py [--backend dawn] [--variant LABEL=DIR ...] [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from paged_sparse_attn.backends.wgpu import _index_branch as ib
+from paged_sparse_attn.backends.wgpu import _kernels, _shaders
+from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, _index_inputs, _plan
+from paged_sparse_attn.bench.workloads import make_problem
+
+KERNELS = ("SCORES_SGMAT", "TOPK")  # the module attributes of _index_branch a variant replaces
+SOURCES: dict[str, str] = {}
+_orig_read = _shaders._read
+
+
+def _read(name: str) -> str:
+    return SOURCES[name] if name in SOURCES else _orig_read(name)
+
+
+_shaders._read = _read
+_shaders.shader_source.cache_clear()
+ORIGINAL = {k: getattr(ib, k) for k in KERNELS}
+
+
+def register(tag: str, folder: Path | None) -> dict[str, str]:
+    """Kernel names of a variant: the working tree's, or ``folder``'s files under names of their own."""
+    names = {}
+    for attr, base in ORIGINAL.items():
+        if folder is None or not (folder / base).exists():
+            names[attr] = base
+            continue
+        name = f"x_{tag}_{base}"
+        SOURCES[name] = (folder / base).read_text()
+        _kernels.KERNEL_TABLE[name] = _kernels.KERNEL_TABLE[base]
+        names[attr] = name
+    return names
+
+
+def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, ipw: int | None = None,
+            options: dict | None = None):
+    """(median scores s, median top-k s, output of one call) of one variant, on a fresh device."""
+    from paged_sparse_attn import registry
+
+    for attr, name in names.items():
+        setattr(ib, attr, name)
+    orig_args, orig_ipw = ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW
+    ib.SGMAT_SCORES_IPW = orig_ipw if ipw is None else ipw
+    if "fn rank_rows" not in SOURCES.get(names["TOPK"], "fn rank_rows"):  # a top-k from before that entry point
+        ib.topk_pipeline_args = lambda ctx, keys, msb: ("main", {**orig_args(ctx, keys, msb)[1], "CAP": ib.topk_cap(ctx)})
+    be = type(registry.get_backend(backend))(timestamps=True, **(options or {}))
+    try:
+        kd, vd = be.upload_kv_cache(prob["k_cache"], prob["v_cache"])
+        ikd = be.upload_index_cache(ik)
+        plan = _plan(be, lw, prob)
+        sc, tk = [], []
+        for i in range(calls + 1):
+            plan.run_sparse(prob["q"], kd, vd, iqs[i % len(iqs)], ikd)  # (host q: the call reads its timings)
+            t = be.last_timings
+            if i:
+                sc.append(t.get("gpu_scores_s", np.nan))  # (nan: a device without timestamps)
+                tk.append(t.get("gpu_topk_s", np.nan))
+        out = plan.run_sparse(prob["q"], kd, vd, iqs[0], ikd)
+        plan.close()
+        return float(np.median(sc)), float(np.median(tk)), np.asarray(out)
+    finally:
+        for k, v in ORIGINAL.items():
+            setattr(ib, k, v)
+        ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW = orig_args, orig_ipw
+        be.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="dawn")
+    ap.add_argument("--variant", action="append", default=[], help="LABEL=DIR: a folder of WGSL files (repeatable)")
+    ap.add_argument("--ipw", type=int, nargs="*", default=[],
+                    help="also the working tree's kernels with these work items per workgroup (SGMAT_SCORES_IPW)")
+    ap.add_argument("--no-robustness", action="store_true",
+                    help="also the working tree's kernels on a Dawn device without bounds checks")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--shape", type=int, nargs=2, default=None, metavar=("TQ", "L"),
+                    help="a smaller prefill (queries, cached positions) to try the script on a CPU driver")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    lw = {x.w.name: x for x in LAYER_WORKLOADS}["prefill"]
+    if a.shape:
+        lw = dataclasses.replace(lw, w=dataclasses.replace(lw.w, Tq_per_seq=a.shape[0], L=a.shape[1]))
+    prob = make_problem(lw.w, seed=1, fill="selected")
+    iqs, ik = _index_inputs(lw, prob, seed=2)
+    iqs = iqs[:2]
+    variants = []
+    for i, v in enumerate(a.variant):
+        label, folder = v.split("=", 1)
+        variants.append((label, register(f"v{i}", Path(folder)), None, None))
+    variants.append(("working tree", register("tree", None), None, None))
+    variants += [(f"working tree IPW={n}", register("tree", None), n, None) for n in a.ipw]
+    if a.no_robustness:
+        variants.append(("no bounds checks", register("tree", None), None, {"robustness": False}))
+    rows: dict[str, list] = {v[0]: [] for v in variants}
+    first = None
+    for r in range(a.rounds):
+        for label, names, ipw, options in variants:
+            s, k, out = measure(a.backend, names, prob, iqs, ik, lw, a.calls, ipw, options)
+            same = "" if first is None else ("  same output" if np.array_equal(out, first, equal_nan=True)
+                                             else "  OUTPUT DIFFERS")
+            first = out if first is None else first
+            rows[label].append((s, k))
+            print(f"round {r}: {label:24s} scores {s * 1e3:7.3f} ms  top-k {k * 1e6:7.1f} us  index "
+                  f"{(s + k) * 1e3:7.3f} ms{same}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print("medians over the rounds:")
+    for label, xs in rows.items():
+        s = np.median([x[0] for x in xs])
+        k = np.median([x[1] for x in xs])
+        print(f"  {label:24s} scores {s * 1e3:7.3f} ms  top-k {k * 1e6:7.1f} us  index {(s + k) * 1e3:7.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
