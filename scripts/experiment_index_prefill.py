@@ -10,6 +10,9 @@ variant's output must equal the first one's, bit for bit (the variants compared 
 to give the same bits); a line says when it does not. Run on a machine with Dawn:
 
     python scripts/experiment_index_prefill.py [--backend dawn] [--variant LABEL=DIR ...] [--rounds 4]
+
+``--workload decode`` times the decode layer workload's index branch instead (B = 32 sequences of
+32k, one query each).
 """
 
 from __future__ import annotations
@@ -100,11 +103,12 @@ def main() -> int:
                     help="also the working tree's kernels on a Dawn device without bounds checks")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
     ap.add_argument("--shape", type=int, nargs=2, default=None, metavar=("TQ", "L"),
                     help="a smaller prefill (queries, cached positions) to try the script on a CPU driver")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    lw = {x.w.name: x for x in LAYER_WORKLOADS}["prefill"]
+    lw = {x.w.name: x for x in LAYER_WORKLOADS}[a.workload]
     if a.shape:
         lw = dataclasses.replace(lw, w=dataclasses.replace(lw.w, Tq_per_seq=a.shape[0], L=a.shape[1]))
     prob = make_problem(lw.w, seed=1, fill="selected")
