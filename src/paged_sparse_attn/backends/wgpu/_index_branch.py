@@ -167,7 +167,7 @@ def score_rows_per_item(rows_per_seq: int) -> int:
     return int(min(SCORES_WG, max(8, 1 << max(0, int(rows_per_seq) - 1).bit_length())))
 TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
 # rows of at most this many block scores are ranked by counting (entry point rank_rows; 0 = never):
-# one pass and one barrier instead of the radix passes (see psa_select_topk.wgsl)
+# one pass and a few barriers instead of the radix passes (see psa_select_topk.wgsl)
 TOPK_RANK_MAX = 4 * TOPK_WG  # (the kernel holds 4 ids per lane)
 
 
