@@ -19,7 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from paged_sparse_attn.backends.wgpu import _ceilings, _kernels, _shaders
+from _wgsl_variants import register
+
+from paged_sparse_attn.backends.wgpu import _ceilings, _kernels
 
 NAME = "x_fma_chain.wgsl"
 ITERS = 1024
@@ -55,10 +57,7 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>, @builtin(num_workgroups) n:
 }}
 """
 
-_orig_read = _shaders._read
-_shaders._read = lambda name: SRC if name == NAME else _orig_read(name)
-_shaders.shader_source.cache_clear()
-_kernels.KERNEL_TABLE[NAME] = _kernels.Kernel("uw", trusted=True)
+register(NAME, SRC, _kernels.Kernel("uw", trusted=True))
 
 
 def rate(be, fused: bool, repeat: int, checks: bool = True, gx: int = 4096, gy: int = 4) -> tuple[float, float]:

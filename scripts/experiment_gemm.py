@@ -22,26 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from paged_sparse_attn.backends.wgpu import _ceilings, _kernels, _shaders
+from _wgsl_variants import register
 
-SOURCES: dict[str, str] = {}
+from paged_sparse_attn.backends.wgpu import _ceilings, _kernels
 
 
 def _register(name: str, src: str) -> str:
-    SOURCES[name] = src
-    _kernels.KERNEL_TABLE[name] = _kernels.Kernel("urrw", sgmat=True)
-    return name
-
-
-_orig_read = _shaders._read
-
-
-def _read(name: str) -> str:
-    return SOURCES[name] if name in SOURCES else _orig_read(name)
-
-
-_shaders._read = _read
-_shaders.shader_source.cache_clear()
+    return register(name, src, _kernels.Kernel("urrw", sgmat=True))
 
 HEAD = """
 struct Params {

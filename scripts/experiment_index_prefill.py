@@ -27,22 +27,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _wgsl_variants as wv
+
 from paged_sparse_attn.backends.wgpu import _index_branch as ib
-from paged_sparse_attn.backends.wgpu import _kernels, _shaders
+from paged_sparse_attn.backends.wgpu import _kernels
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, _index_inputs, _plan
 from paged_sparse_attn.bench.workloads import make_problem
 
 KERNELS = ("SCORES_SGMAT", "TOPK")  # the module attributes of _index_branch a variant replaces
-SOURCES: dict[str, str] = {}
-_orig_read = _shaders._read
-
-
-def _read(name: str) -> str:
-    return SOURCES[name] if name in SOURCES else _orig_read(name)
-
-
-_shaders._read = _read
-_shaders.shader_source.cache_clear()
 ORIGINAL = {k: getattr(ib, k) for k in KERNELS}
 
 
@@ -53,10 +45,7 @@ def register(tag: str, folder: Path | None) -> dict[str, str]:
         if folder is None or not (folder / base).exists():
             names[attr] = base
             continue
-        name = f"x_{tag}_{base}"
-        SOURCES[name] = (folder / base).read_text()
-        _kernels.KERNEL_TABLE[name] = _kernels.KERNEL_TABLE[base]
-        names[attr] = name
+        names[attr] = wv.register(f"x_{tag}_{base}", (folder / base).read_text(), _kernels.KERNEL_TABLE[base])
     return names
 
 
@@ -69,7 +58,7 @@ def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, 
         setattr(ib, attr, name)
     orig_args, orig_ipw = ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW
     ib.SGMAT_SCORES_IPW = orig_ipw if ipw is None else ipw
-    if "fn rank_rows" not in SOURCES.get(names["TOPK"], "fn rank_rows"):  # a top-k from before that entry point
+    if "fn rank_rows" not in wv.SOURCES.get(names["TOPK"], "fn rank_rows"):  # a top-k from before that entry point
         ib.topk_pipeline_args = lambda ctx, keys, msb: ("main", {**orig_args(ctx, keys, msb)[1], "CAP": ib.topk_cap(ctx)})
     be = type(registry.get_backend(backend))(timestamps=True, **(options or {}))
     try:

@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import check_sgmat_scores as chk
+from _wgsl_variants import original, register
 
 from paged_sparse_attn.backends.wgpu import _index_branch as ib
-from paged_sparse_attn.backends.wgpu import _kernels, _shaders
+from paged_sparse_attn.backends.wgpu import _kernels
 
 BASE = ib.SCORES_SGMAT
 LO = [f"acc = subgroupMatrixMultiplyAccumulate(l{k}, b, acc);" for k in range(8)]
@@ -37,29 +38,16 @@ EDITS = {
     "no result stores": [("subgroupMatrixStore<row_major>(&res, rb + 16u * u, acc, RW);", "")],
 }
 
-SOURCES: dict[str, str] = {}
-_orig_read = _shaders._read
-
-
-def _read(name: str) -> str:
-    return SOURCES[name] if name in SOURCES else _orig_read(name)
-
-
-_shaders._read = _read
-_shaders.shader_source.cache_clear()
 
 
 def variant(i: int, edits) -> str:
     """The kernel with ``edits`` made, registered under a name of its own."""
-    src = _orig_read(BASE)
+    src = original(BASE)
     for a, b in edits:
         if a not in src:
             raise SystemExit(f"edit not found: {a!r}")
         src = src.replace(a, b)
-    name = f"x_scores_split_{i}.wgsl"
-    SOURCES[name] = src
-    _kernels.KERNEL_TABLE[name] = _kernels.KERNEL_TABLE[BASE]
-    return name
+    return register(f"x_scores_split_{i}.wgsl", src, _kernels.KERNEL_TABLE[BASE])
 
 
 def main() -> int:

@@ -119,6 +119,7 @@ struct Row {
     obase: u32,      // its first slot
     msb: u32,
     local: i32,      // its local block, -1 = none
+    has_local: bool,
     lb: u32,         // the same as an id (INVALID_ID = none)
     slot0: u32,      // 1 when slot 0 holds the local block
     kk: u32,         // slots for candidates
@@ -128,8 +129,8 @@ fn row_of(wi: u32) -> Row {
     let row = params.row_base + wi;
     let local = local_block[row / params.heads];
     let slot0 = select(0u, 1u, local >= 0);
-    return Row(row * params.msb, row * params.k_out, params.msb, local, select(INVALID_ID, u32(local), local >= 0),
-               slot0, params.k_out - slot0);
+    return Row(row * params.msb, row * params.k_out, params.msb, local, local >= 0,
+               select(INVALID_ID, u32(local), local >= 0), slot0, params.k_out - slot0);
 }
 
 // the counters every row starts from (zeroed by one invocation; a barrier follows)
@@ -169,19 +170,11 @@ fn rank_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
 }
 
 fn radix_row(lid: u32, rw: Row) {
-    let base = rw.base;
-    let obase = rw.obase;
-    let msb = rw.msb;
-    let lb = rw.lb;
-    let slot0 = rw.slot0;
-    let kk = rw.kk;
-    let local = rw.local;
-    let has_local = local >= 0;
 
     // 1. candidates
     var mine = 0u;
-    for (var j = lid; j < msb; j += WG) {
-        if (j != lb && score_key(scores[base + j]) != 0u) {
+    for (var j = lid; j < rw.msb; j += WG) {
+        if (j != rw.lb && score_key(scores[rw.base + j]) != 0u) {
             mine += 1u;
         }
     }
@@ -191,7 +184,7 @@ fn radix_row(lid: u32, rw: Row) {
         bcast_cnt = atomicLoad(&n_cand);
     }
     let cnt = workgroupUniformLoad(&bcast_cnt);
-    let n = min(kk, cnt);
+    let n = min(rw.kk, cnt);
 
     // 2. threshold: the n-th best composite (hi = key, lo = msb - 1 - id)
     var phi = 0u;
@@ -215,9 +208,9 @@ fn radix_row(lid: u32, rw: Row) {
             } else {
                 shift = 8u * (params.lo_passes - 1u - (ps - 4u));
             }
-            for (var j = lid; j < msb; j += WG) {
-                let key = select(score_key(scores[base + j]), 0u, j == lb);
-                let lo = msb - 1u - j;
+            for (var j = lid; j < rw.msb; j += WG) {
+                let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
+                let lo = rw.msb - 1u - j;
                 if (key != 0u && (key & mhi) == phi && (lo & mlo) == plo) {
                     let dg = select((lo >> shift) & 255u, (key >> shift) & 255u, is_hi);
                     atomicAdd(&hist[dg], 1u);
@@ -267,9 +260,9 @@ fn radix_row(lid: u32, rw: Row) {
 
     // 3. rank the chosen candidates: composite >= (phi, plo)
     if (n > 0u && n <= CAP) {
-        for (var j = lid; j < msb; j += WG) {
-            let key = select(score_key(scores[base + j]), 0u, j == lb);
-            let lo = msb - 1u - j;
+        for (var j = lid; j < rw.msb; j += WG) {
+            let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
+            let lo = rw.msb - 1u - j;
             if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
                 let x = atomicAdd(&n_fill, 1u);  // fill order is free: the rank below is not
                 c_key[x] = key;
@@ -287,31 +280,31 @@ fn radix_row(lid: u32, rw: Row) {
                     rank += 1u;
                 }
             }
-            out[obase + slot0 + rank] = i32(ii);
+            out[rw.obase + rw.slot0 + rank] = i32(ii);
         }
     } else if (n > CAP) {
-        for (var j = lid; j < msb; j += WG) {
-            let key = select(score_key(scores[base + j]), 0u, j == lb);
-            let lo = msb - 1u - j;
+        for (var j = lid; j < rw.msb; j += WG) {
+            let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
+            let lo = rw.msb - 1u - j;
             if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
                 var rank = 0u;
-                for (var m = 0u; m < msb; m++) {
-                    let km = select(score_key(scores[base + m]), 0u, m == lb);
+                for (var m = 0u; m < rw.msb; m++) {
+                    let km = select(score_key(scores[rw.base + m]), 0u, m == rw.lb);
                     if (km > key || (km == key && m < j)) {
                         rank += 1u;
                     }
                 }
-                out[obase + slot0 + rank] = i32(j);
+                out[rw.obase + rw.slot0 + rank] = i32(j);
             }
         }
     }
 
     // 4. the local block and the padding
-    if (has_local && lid == 0u) {
-        out[obase] = local;
+    if (rw.has_local && lid == 0u) {
+        out[rw.obase] = rw.local;
     }
-    for (var x = slot0 + n + lid; x < params.k_out; x += WG) {
-        out[obase + x] = -1;
+    for (var x = rw.slot0 + n + lid; x < params.k_out; x += WG) {
+        out[rw.obase + x] = -1;
     }
 }
 
@@ -321,21 +314,13 @@ fn radix_row(lid: u32, rw: Row) {
 // list's at most 4 n entries fit in c_key / c_id (see the header), else among the whole row's
 // keys there; a rank below n = min(kk, candidates) is the candidate's slot.
 fn rank_row(lid: u32, rw: Row) {
-    let base = rw.base;
-    let obase = rw.obase;
-    let msb = rw.msb;
-    let lb = rw.lb;
-    let slot0 = rw.slot0;
-    let kk = rw.kk;
-    let local = rw.local;
-    let has_local = local >= 0;
     let jv = vec4<u32>(lid, lid + WG, lid + 2u * WG, lid + 3u * WG);
     var kv = vec4<u32>(0u);  // keys of ids jv (0 past msb: never a candidate)
     var bk = 0u;             // this lane's best candidate (ids ascend: a tie keeps the first)
     var bj = 0u;
     for (var i = 0u; i < 4u; i++) {
-        if (jv[i] < msb) {
-            let key = select(score_key(scores[base + jv[i]]), 0u, jv[i] == lb);
+        if (jv[i] < rw.msb) {
+            let key = select(score_key(scores[rw.base + jv[i]]), 0u, jv[i] == rw.lb);
             kv[i] = key;
             if (key > bk) {
                 bk = key;
@@ -351,7 +336,7 @@ fn rank_row(lid: u32, rw: Row) {
     if (lid == 0u) {
         bcast_cnt = atomicLoad(&n_cand);
     }
-    let n = min(kk, workgroupUniformLoad(&bcast_cnt));
+    let n = min(rw.kk, workgroupUniformLoad(&bcast_cnt));
     var rank = vec4<u32>(0u);
     if (n > 0u && n <= WG && 4u * n <= CAP) {  // (uniform)
         // T: the lane best of rank n - 1 among the lane bests (none when fewer lanes have one)
@@ -387,17 +372,17 @@ fn rank_row(lid: u32, rw: Row) {
                 r += select(0u, 1u, km > ki || (km == ki && c_id[m] < ii));
             }
             if (r < n) {
-                out[obase + slot0 + r] = i32(ii);
+                out[rw.obase + rw.slot0 + r] = i32(ii);
             }
         }
     } else {
         for (var i = 0u; i < 4u; i++) {
-            if (jv[i] < msb) {
+            if (jv[i] < rw.msb) {
                 c_key[jv[i]] = kv[i];
             }
         }
         workgroupBarrier();
-        let m4 = msb & ~3u;
+        let m4 = rw.msb & ~3u;
         for (var m = 0u; m < m4; m += 4u) {
             let k0 = vec4<u32>(c_key[m]);
             let k1 = vec4<u32>(c_key[m + 1u]);
@@ -408,20 +393,20 @@ fn rank_row(lid: u32, rw: Row) {
             rank += select(vec4<u32>(0u), vec4<u32>(1u), (k2 > kv) | ((k2 == kv) & (vec4<u32>(m + 2u) < jv)));
             rank += select(vec4<u32>(0u), vec4<u32>(1u), (k3 > kv) | ((k3 == kv) & (vec4<u32>(m + 3u) < jv)));
         }
-        for (var m = m4; m < msb; m++) {
+        for (var m = m4; m < rw.msb; m++) {
             let km = vec4<u32>(c_key[m]);
             rank += select(vec4<u32>(0u), vec4<u32>(1u), (km > kv) | ((km == kv) & (vec4<u32>(m) < jv)));
         }
         for (var i = 0u; i < 4u; i++) {
             if (kv[i] != 0u && rank[i] < n) {
-                out[obase + slot0 + rank[i]] = i32(jv[i]);
+                out[rw.obase + rw.slot0 + rank[i]] = i32(jv[i]);
             }
         }
     }
-    if (has_local && lid == 0u) {
-        out[obase] = local;
+    if (rw.has_local && lid == 0u) {
+        out[rw.obase] = rw.local;
     }
-    for (var x = slot0 + n + lid; x < params.k_out; x += WG) {
-        out[obase + x] = -1;
+    for (var x = rw.slot0 + n + lid; x < params.k_out; x += WG) {
+        out[rw.obase + x] = -1;
     }
 }

@@ -1,0 +1,41 @@
+"""WGSL kernel sources registered for one process: the experiment scripts' variants.
+
+A variant is a kernel source under a name of its own, with a row of the kernel table (usually
+the row of the kernel it varies), so the backend builds and caches its pipelines like any other
+kernel's. Importing this module routes the shader loader through :data:`SOURCES` first; nothing
+outside the importing process changes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from paged_sparse_attn.backends.wgpu import _kernels, _shaders
+
+__all__ = ["SOURCES", "original", "register"]
+
+SOURCES: dict[str, str] = {}
+_orig_read = _shaders._read
+
+
+def _read(name: str) -> str:
+    return SOURCES[name] if name in SOURCES else _orig_read(name)
+
+
+_shaders._read = _read
+
+
+def original(name: str) -> str:
+    """The source of ``shaders/<name>`` as the project has it (never a registered variant)."""
+    return _orig_read(name)
+
+
+def register(name: str, source: str, row: _kernels.Kernel) -> str:
+    """Make ``source`` the kernel ``name`` (kernel table row ``row``) in this process; returns ``name``."""
+    SOURCES[name] = source
+    _kernels.KERNEL_TABLE[name] = row
+    _shaders.shader_source.cache_clear()
+    return name
