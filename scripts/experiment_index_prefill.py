@@ -59,7 +59,7 @@ def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, 
     orig_args, orig_ipw = ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW
     ib.SGMAT_SCORES_IPW = orig_ipw if ipw is None else ipw
     if "fn rank_rows" not in wv.SOURCES.get(names["TOPK"], "fn rank_rows"):  # a top-k from before that entry point
-        ib.topk_pipeline_args = lambda ctx, keys, msb: ("main", {**orig_args(ctx, keys, msb)[1], "CAP": ib.topk_cap(ctx)})
+        ib.topk_pipeline_args = lambda ctx, keys, msb, rows: ("main", {**orig_args(ctx, keys, msb, rows)[1], "CAP": ib.topk_cap(ctx)})
     be = type(registry.get_backend(backend))(timestamps=True, **(options or {}))
     try:
         kd, vd = be.upload_kv_cache(prob["k_cache"], prob["v_cache"])

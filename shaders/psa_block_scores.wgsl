@@ -180,7 +180,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let nstep = (DV + DCV - 1u) / DCV;
 
-    for (var k0 = 0u; k0 < npos; k0 += PT) {
+    let k0_n = (npos + PT - 1u) / PT;
+    for (var k0_i = 0u; k0_i < k0_n; k0_i++) {
+        let k0 = k0_i * PT;
         var a0 = vec4<f32>(0.0); var b0 = vec4<f32>(0.0);
         var a1 = vec4<f32>(0.0); var b1 = vec4<f32>(0.0);
         var a2 = vec4<f32>(0.0); var b2 = vec4<f32>(0.0);
@@ -188,7 +190,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         for (var st = 0u; st < nstep; st++) {
             let j0 = st * DCV;
             // stage the keys: position p, vec4 j of the step -> ks[(4 j + c) PT + p]
-            for (var x = lid; x < PT * DCV; x += WG) {
+            let x_n = ((PT * DCV) + WG - 1u) / WG;
+            for (var x_i = 0u; x_i < x_n; x_i++) {
+                let x = lid + x_i * WG;
+                if (x >= (PT * DCV)) {
+                    break;
+                }
                 let p = x / DCV;
                 let j = x - p * DCV;
                 let lpos = k0 + p;
@@ -211,7 +218,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 }
             }
             // stage the queries: row r, vec4 j -> qs[(4 j + c) RT + r]
-            for (var x = lid; x < RT * DCV; x += WG) {
+            let x_n2 = ((RT * DCV) + WG - 1u) / WG;
+            for (var x_i = 0u; x_i < x_n2; x_i++) {
+                let x = lid + x_i * WG;
+                if (x >= (RT * DCV)) {
+                    break;
+                }
                 let r = x / DCV;
                 let j = x - r * DCV;
                 var v = vec4<f32>(0.0);
@@ -227,7 +239,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             workgroupBarrier();
             if (live) {
-                for (var dd = 0u; dd < 4u * DCV; dd++) {
+                let dd_end = 4u * DCV;
+                for (var dd = 0u; dd < dd_end; dd++) {
                     let qo = dd * RT + 4u * rg;
                     let ko = dd * PT + 8u * pgp;
                     let q = vec4<f32>(qs[qo], qs[qo + 1u], qs[qo + 2u], qs[qo + 3u]);

@@ -98,7 +98,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let s = plan[ib + 7u];
 
     // the item's queries: row r -> qs[r DV ..]; rows past n_rows are zero and never counted
-    for (var x = lid; x < MAXR * DV; x += WG) {
+    let x_n = ((MAXR * DV) + WG - 1u) / WG;
+    for (var x_i = 0u; x_i < x_n; x_i++) {
+        let x = lid + x_i * WG;
+        if (x >= (MAXR * DV)) {
+            break;
+        }
         let r = x / DV;
         let j = x - r * DV;
         var v = vec4<f32>(0.0);
@@ -117,7 +122,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // slots past n_rows hold zero queries and are never counted
     var b0 = 0u; var b1 = 0u; var b2 = 0u; var b3 = 0u;
     var b4 = 0u; var b5 = 0u; var b6 = 0u; var b7 = 0u;
-    for (var k0 = 0u; k0 < npos; k0 += WG) {
+    let k0_n = (npos + WG - 1u) / WG;
+    for (var k0_i = 0u; k0_i < k0_n; k0_i++) {
+        let k0 = k0_i * WG;
         let p = k0 + lid;
         var slab = 0xffffffffu;
         if (p < npos) {

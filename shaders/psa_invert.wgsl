@@ -168,7 +168,8 @@ fn mark(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let nvis = n_visible(qi.hi);
     let base = r * params.k;
     var cnt = 0u;
-    for (var j = 0u; j < params.k; j++) {
+    let j_end = params.k;
+    for (var j = 0u; j < j_end; j++) {
         let s = sel[base + j];
         if (s == -1) {
             continue;
@@ -178,7 +179,8 @@ fn mark(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             continue;
         }
         var dup = false;
-        for (var j2 = 0u; j2 < j; j2++) {
+        let j2_end = j;
+        for (var j2 = 0u; j2 < j2_end; j2++) {
             if (sel[base + j2] == s) {
                 dup = true;
             }
@@ -215,7 +217,8 @@ fn scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     let base = r * params.k;
     let em = params.emax;
     var n = 0u;
-    for (var j = 0u; j < params.k; j++) {
+    let j_end = params.k;
+    for (var j = 0u; j < j_end; j++) {
         let s = sel[base + j];
         if (s < 0 || s >= i32(params.msb) || u32(s) >= nvis) {
             continue;
@@ -247,7 +250,8 @@ fn scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
 // page list of block s of sequence b for KV head h: slab p Hkv + h, or INVALID (unmapped)
 fn write_pages(at: u32, b: u32, s: u32, h: u32) {
     let row = params.bt_off + b * params.max_pages + s * params.ppb;
-    for (var j = 0u; j < params.ppb; j++) {
+    let j_end = params.ppb;
+    for (var j = 0u; j < j_end; j++) {
         let p = lay[row + j];
         var slab = INVALID;
         if (p >= 0) {
@@ -259,7 +263,8 @@ fn write_pages(at: u32, b: u32, s: u32, h: u32) {
 
 // the NH work items (head ranges) of edge item `item`: n_e edges from edge e0
 fn write_items(item: u32, n_e: u32, max_len: u32, e0: u32, pages: u32) {
-    for (var hs = 0u; hs < params.nh; hs++) {
+    let hs_end = params.nh;
+    for (var hs = 0u; hs < hs_end; hs++) {
         let g0 = hs * params.hpi;
         let ib = (item * params.nh + hs) * 8u;
         plan[ib] = max_len;
@@ -352,7 +357,8 @@ fn direct(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     if (s < -1 || s >= i32(params.msb)) {
         report(1u, r);
     } else if (s >= 0) {
-        for (var j2 = 0u; j2 < j; j2++) {
+        let j2_end = j;
+        for (var j2 = 0u; j2 < j2_end; j2++) {
             if (sel[base + j2] == s) {
                 report(2u, r);
             }
@@ -361,7 +367,8 @@ fn direct(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     // n: kept slots before j (this one's place in the row's list); total: kept slots of the row
     var n = 0u;
     var total = 0u;
-    for (var j2 = 0u; j2 < params.k; j2++) {
+    let j2_end = params.k;
+    for (var j2 = 0u; j2 < j2_end; j2++) {
         if (kept_at(base, j2, nvis)) {
             total += 1u;
             if (j2 < j) {
@@ -381,7 +388,8 @@ fn direct(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     }
     if (j >= total) {  // list position j is past the row's edges: an empty item, the empty group
         let e = base + j;
-        for (var hs = 0u; hs < params.nh; hs++) {
+        let hs_end = params.nh;
+        for (var hs = 0u; hs < hs_end; hs++) {
             plan[(e * params.nh + hs) * 8u + 1u] = 0u;  // n_e = 0: the workgroup returns at once
         }
         merge[n_rows + 1u + e] = params.emax;

@@ -239,7 +239,11 @@ fn reduce8(lo: vec4<f32>, hi: vec4<f32>, r: u32) -> f32 {
     let w2 = select(w4.xy, w4.zw, bb) + subgroupShuffleXor(select(w4.zw, w4.xy, bb), R / 4u);
     let bc = (r & (R / 8u)) != 0u;
     var w = select(w2.x, w2.y, bc) + subgroupShuffleXor(select(w2.y, w2.x, bc), R / 8u);
-    for (var msk = R / 16u; msk > 0u; msk >>= 1u) {
+    for (var j = 0u; j < 32u; j++) {  // msk = R / 16, R / 32, ..., 1
+        let msk = (R / 16u) >> j;
+        if (msk == 0u) {
+            break;
+        }
         w += subgroupShuffleXor(w, msk);
     }
     return w;
@@ -368,7 +372,8 @@ fn edge_keys(exact: bool, pf: u32, qv: Query, pages: u32, len: u32, r: u32, grp:
         next = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
         kn += step;
     }
-    for (var kb = 0u; kb < len; kb += step) {
+    let n_chunks = (len + step - 1u) / step;  // chunks of this lane's key group
+    for (var c_i = 0u; c_i < n_chunks; c_i++) {
         var c = next;
         if (pf == 0u) {
             c = load_chunk(pages, kn, len, pg, base, pages_in_lanes, r);
@@ -579,7 +584,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         // 1. the groups of one subgroup, pairwise at lane distance R, 2R, ... with shuffles; both
         //    lanes of a pair form the same two products and add them (a + b == b + a), so the
         //    pair ends with identical, deterministic state
-        for (var k = R; k < GW; k <<= 1u) {
+        for (var j = 0u; j < 32u; j++) {  // k = R, 2 R, 4 R, ... below GW
+            let k = R << j;
+            if (k >= GW) {
+                break;
+            }
             let mo = subgroupShuffleXor(m, k);
             let lo = subgroupShuffleXor(l, k);
             let own = !(l == 0.0);

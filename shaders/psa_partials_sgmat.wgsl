@@ -326,7 +326,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let rb = sg % NRB;         // its 16-row block
     let cb = sg / NRB;         // its share of the columns
 
-    for (var r = tid; r < RMAX; r += WG) {
+    for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
+        let r = tid + j * WG;
+        if (r >= RMAX) {
+            break;
+        }
         var len = 0u;
         var qo = 0u;
         if (r < n_rows) {
@@ -340,10 +344,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         row_l[r] = 0.0;
         atomicStore(&row_qmax[r], 0u);
     }
-    for (var x = tid; x < RMAX * NPW; x += WG) {
+    for (var j = 0u; j < (RMAX * NPW + WG - 1u) / WG; j++) {
+        let x = tid + j * WG;
+        if (x >= RMAX * NPW) {
+            break;
+        }
         atomicStore(&poison[x], 0u);
     }
-    for (var k = tid; k < BK; k += WG) {
+    for (var j = 0u; j < (BK + WG - 1u) / WG; j++) {
+        let k = tid + j * WG;
+        if (k >= BK) {
+            break;
+        }
         var row = INVALID;
         if (k < max_len) {
             let slab = plan[pages + k / S];
@@ -425,7 +437,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
     // 1. Scores of the block, a K tile at a time.
     var par = 0u;
-    for (var k0 = 0u; k0 < max_len; k0 += TK) {
+    let nkt = (max_len + TK - 1u) / TK;  // K (and V) tiles
+    for (var it = 0u; it < nkt; it++) {
+        let k0 = it * TK;
         var tb = false;
         if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 0u); }
         if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 0u); }
@@ -466,7 +480,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     break;  // (subgroup-uniform: more subgroups than score tiles)
                 }
                 var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)
-                for (var d0 = 0u; d0 < D; d0 += 16u) {
+                for (var j = 0u; j < D / 16u; j++) {
+                    let d0 = 16u * j;
                     let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, col_major>(&hmem, KVO + kt * 16u * HS + d0, HS);
                     let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * HS + d0, HS);
                     let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * HS + rb * 16u * HS + d0, HS);
@@ -477,7 +492,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         } else {
             // f32 FMAs from the f32 query, as psa_partials.wgsl (non-finite q or K)
-            for (var x = tid; x < RMAX * TK; x += WG) {
+            for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {
+                let x = tid + j * WG;
+                if (x >= RMAX * TK) {
+                    break;
+                }
                 let r = x / TK;
                 let k = x - r * TK;
                 var s = 0.0;
@@ -497,7 +516,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
         if (bad == 0u && item_fma == 0u) {  // undo the query scaling: s = (S' 2^-e) * scale
-            for (var x = tid; x < RMAX * TK; x += WG) {
+            for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {
+                let x = tid + j * WG;
+                if (x >= RMAX * TK) {
+                    break;
+                }
                 let r = x / TK;
                 let i = r * SB + k0 + x - r * TK;
                 sbuf[i] = (sbuf[i] * row_down[r]) * params.scale;
@@ -516,7 +539,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     var lmax = 0.0;
     var seen = false;
-    for (var k = sl; k < kend; k += SL) {
+    let nks = (kend + SL - 1u - sl) / SL;  // keys k = sl, sl + SL, ... below kend
+    for (var j = 0u; j < nks; j++) {
+        let k = sl + j * SL;
         if (key_src[k] != INVALID) {
             let s = sbuf[sr * SB + k];
             if (!is_ninf(s)) {
@@ -539,7 +564,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     var psum = 0.0;
     if (sr < RMAX) {
-        for (var k = sl; k < max_len; k += SL) {
+        let nkm = (max_len + SL - 1u - sl) / SL;
+        for (var j = 0u; j < nkm; j++) {
+            let k = sl + j * SL;
             var p = 0.0;
             if (k < kend && key_src[k] != INVALID) {
                 let sc = sbuf[sr * SB + k];
@@ -571,7 +598,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var acc5: subgroup_matrix_result<f32, 16, 16>;
     var acc6: subgroup_matrix_result<f32, 16, 16>;
     var acc7: subgroup_matrix_result<f32, 16, 16>;
-    for (var k0 = 0u; k0 < max_len; k0 += TK) {
+    for (var it = 0u; it < nkt; it++) {
+        let k0 = it * TK;
         var tb = false;
         if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 1u); }
         if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 1u); }
@@ -584,7 +612,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (tb) {
             set_flag(par);
         }
-        for (var x = tid; x < RMAX * TK; x += WG) {
+        for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {
+            let x = tid + j * WG;
+            if (x >= RMAX * TK) {
+                break;
+            }
             let r = x / TK;
             let k = x - r * TK;
             var p = 0.0;
@@ -620,7 +652,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (bad != 0u) {
             // NaN / +-inf values of the tile: mark the (row, d) of every attended, not removed
             // pair, reading the value again from the cache (the staged tile holds 0 there)
-            for (var x = tid; x < TK * D; x += WG) {
+            for (var x = tid; x < TK * D; x += WG) {  // rolled: a rare path (unrolled, it costs registers)
                 let k = x / D;
                 let d = x - k * D;
                 let row = key_src[k0 + k];
@@ -632,7 +664,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         if ((h & 0x3ffu) == 0u) {
                             cls = select(1u, 2u, (h & 0x8000u) != 0u);  // +inf: bit 0, -inf: bit 1
                         }
-                        for (var r = 0u; r < n_rows; r++) {
+                        for (var r = 0u; r < n_rows; r++) {  // rolled: a rare path (as above)
                             if (k0 + k < min(row_len[r], max_len)) {
                                 let p = sbuf[r * SB + k0 + k];
                                 if (!is_removed(p)) {
@@ -647,7 +679,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 }
             }
         }
-        for (var kk = 0u; kk < TK; kk += 16u) {
+        for (var j = 0u; j < TK / 16u; j++) {
+            let kk = 16u * j;
             let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * PSTR + kk, PSTR);
             let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * HS + rb * 16u * PSTR + kk, PSTR);
             if (NDT > 0u) {
@@ -722,7 +755,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
     let any_poison = poisoned != 0u;
-    for (var x = tid; x < n_rows * D; x += WG) {
+    for (var j = 0u; j < (RMAX * D + WG - 1u) / WG; j++) {
+        let x = tid + j * WG;
+        if (x >= n_rows * D) {
+            break;
+        }
         let r = x / D;
         let d = x - r * D;
         var o = sbuf[r * SB + d];
@@ -741,7 +778,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         o_out[(prow0 + r) * D + d] = o;
     }
-    for (var r = tid; r < n_rows; r += WG) {
+    for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
+        let r = tid + j * WG;
+        if (r >= n_rows) {
+            break;
+        }
         ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);
     }
 }

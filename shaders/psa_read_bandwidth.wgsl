@@ -32,15 +32,19 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let n = params.n_inv;
     var acc = vec4<u32>(0u);
     var i = gid.x;
-    for (; i + 3u * n < params.n_vec4; i += 4u * n) {
+    let n4 = select(0u, (params.n_vec4 - 3u * n - i + 4u * n - 1u) / (4u * n), params.n_vec4 > i + 3u * n);
+    for (var j = 0u; j < n4; j++) {
         let a = src[i];
         let b = src[i + n];
         let c = src[i + 2u * n];
         let d = src[i + 3u * n];
         acc ^= a ^ b ^ c ^ d;
+        i += 4u * n;
     }
-    for (; i < params.n_vec4; i += n) {
+    let n1 = select(0u, (params.n_vec4 - i + n - 1u) / n, params.n_vec4 > i);
+    for (var j = 0u; j < n1; j++) {
         acc ^= src[i];
+        i += n;
     }
     let r = acc.x ^ acc.y ^ acc.z ^ acc.w;
     if (r == params.magic) {

@@ -45,7 +45,11 @@ var<workgroup> sh: array<u32, WG>;
 fn wg_scan(lid: u32, x: u32) -> u32 {
     sh[lid] = x;
     workgroupBarrier();
-    for (var off = 1u; off < WG; off = off * 2u) {
+    for (var j = 0u; j < 32u; j++) {  // off = 1, 2, 4, ... below WG
+        let off = 1u << j;
+        if (off >= WG) {
+            break;
+        }
         var y = 0u;
         if (lid >= off) {
             y = sh[lid - off];
@@ -98,7 +102,9 @@ fn tiles(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
 @compute @workgroup_size(WG)
 fn totals(@builtin(local_invocation_index) lid: u32) {
     var carry = 0u;
-    for (var c0 = 0u; c0 < params.n_tiles; c0 += WG) {
+    let c0_n = (params.n_tiles + WG - 1u) / WG;
+    for (var c0_i = 0u; c0_i < c0_n; c0_i++) {
+        let c0 = c0_i * WG;
         let i = c0 + lid;
         var x = 0u;
         if (i < params.n_tiles) {

@@ -45,10 +45,15 @@
 //   CAP  chosen candidates ranked in workgroup memory (8 bytes each; rank_rows: 4 WG)
 //   KEYS 1: `scores` holds the u32 keys of psa_block_scores.wgsl instead of float32 bits (a
 //        device-resident MSA layer feeds the block scores straight in; key_bits decodes them)
+//   BOUND 1: rank_rows counts only the list of candidates >= T (above) when n <= WG; 0: always
+//        over the whole row. The list pays where rows are many (prefill, 16384 rows on an H200:
+//        89.9 against 265.7 us) and costs where they are one wave (decode, 128 rows: 19.4
+//        against 16.5 us); the host chooses by the dispatch's row count. Same result either way.
 
 override WG: u32 = 64u;
 override CAP: u32 = 1024u;
 override KEYS: u32 = 0u;  // 1: `scores` holds psa_block_scores.wgsl keys (the device-resident layer)
+override BOUND: u32 = 1u;  // 1: short rows ranked within the list of candidates >= T
 const INVALID_ID: u32 = 0xffffffffu;  // no local block
 
 struct Params {
@@ -173,7 +178,12 @@ fn radix_row(lid: u32, rw: Row) {
 
     // 1. candidates
     var mine = 0u;
-    for (var j = lid; j < rw.msb; j += WG) {
+    let j_n = (rw.msb + WG - 1u) / WG;
+    for (var j_i = 0u; j_i < j_n; j_i++) {
+        let j = lid + j_i * WG;
+        if (j >= rw.msb) {
+            break;
+        }
         if (j != rw.lb && score_key(scores[rw.base + j]) != 0u) {
             mine += 1u;
         }
@@ -197,7 +207,12 @@ fn radix_row(lid: u32, rw: Row) {
         }
         let npass = 4u + params.lo_passes;
         for (var ps = 0u; ps < npass; ps++) {
-            for (var b = lid; b < 256u; b += WG) {
+            let b_n = (256u + WG - 1u) / WG;
+            for (var b_i = 0u; b_i < b_n; b_i++) {
+                let b = lid + b_i * WG;
+                if (b >= 256u) {
+                    break;
+                }
                 atomicStore(&hist[b], 0u);
             }
             workgroupBarrier();
@@ -208,7 +223,12 @@ fn radix_row(lid: u32, rw: Row) {
             } else {
                 shift = 8u * (params.lo_passes - 1u - (ps - 4u));
             }
-            for (var j = lid; j < rw.msb; j += WG) {
+            let j_n2 = (rw.msb + WG - 1u) / WG;
+            for (var j_i = 0u; j_i < j_n2; j_i++) {
+                let j = lid + j_i * WG;
+                if (j >= rw.msb) {
+                    break;
+                }
                 let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
                 let lo = rw.msb - 1u - j;
                 if (key != 0u && (key & mhi) == phi && (lo & mlo) == plo) {
@@ -217,7 +237,12 @@ fn radix_row(lid: u32, rw: Row) {
                 }
             }
             workgroupBarrier();
-            for (var g = lid; g < 64u; g += WG) {
+            let g_n = (64u + WG - 1u) / WG;
+            for (var g_i = 0u; g_i < g_n; g_i++) {
+                let g = lid + g_i * WG;
+                if (g >= 64u) {
+                    break;
+                }
                 grp[g] = atomicLoad(&hist[4u * g]) + atomicLoad(&hist[4u * g + 1u])
                        + atomicLoad(&hist[4u * g + 2u]) + atomicLoad(&hist[4u * g + 3u]);
             }
@@ -260,7 +285,12 @@ fn radix_row(lid: u32, rw: Row) {
 
     // 3. rank the chosen candidates: composite >= (phi, plo)
     if (n > 0u && n <= CAP) {
-        for (var j = lid; j < rw.msb; j += WG) {
+        let j_n3 = (rw.msb + WG - 1u) / WG;
+        for (var j_i = 0u; j_i < j_n3; j_i++) {
+            let j = lid + j_i * WG;
+            if (j >= rw.msb) {
+                break;
+            }
             let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
             let lo = rw.msb - 1u - j;
             if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
@@ -270,7 +300,12 @@ fn radix_row(lid: u32, rw: Row) {
             }
         }
         workgroupBarrier();
-        for (var x = lid; x < n; x += WG) {
+        let x_n = (n + WG - 1u) / WG;
+        for (var x_i = 0u; x_i < x_n; x_i++) {
+            let x = lid + x_i * WG;
+            if (x >= n) {
+                break;
+            }
             let ki = c_key[x];
             let ii = c_id[x];
             var rank = 0u;
@@ -283,12 +318,18 @@ fn radix_row(lid: u32, rw: Row) {
             out[rw.obase + rw.slot0 + rank] = i32(ii);
         }
     } else if (n > CAP) {
-        for (var j = lid; j < rw.msb; j += WG) {
+        let j_n4 = (rw.msb + WG - 1u) / WG;
+        for (var j_i = 0u; j_i < j_n4; j_i++) {
+            let j = lid + j_i * WG;
+            if (j >= rw.msb) {
+                break;
+            }
             let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
             let lo = rw.msb - 1u - j;
             if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
                 var rank = 0u;
-                for (var m = 0u; m < rw.msb; m++) {
+                let m_end = rw.msb;
+                for (var m = 0u; m < m_end; m++) {
                     let km = select(score_key(scores[rw.base + m]), 0u, m == rw.lb);
                     if (km > key || (km == key && m < j)) {
                         rank += 1u;
@@ -303,7 +344,9 @@ fn radix_row(lid: u32, rw: Row) {
     if (rw.has_local && lid == 0u) {
         out[rw.obase] = rw.local;
     }
-    for (var x = rw.slot0 + n + lid; x < params.k_out; x += WG) {
+    let x_n2 = select(0u, (params.k_out - (rw.slot0 + n + lid) + WG - 1u) / WG, params.k_out > (rw.slot0 + n + lid));
+    for (var x_i = 0u; x_i < x_n2; x_i++) {
+        let x = (rw.slot0 + n + lid) + x_i * WG;
         out[rw.obase + x] = -1;
     }
 }
@@ -338,7 +381,7 @@ fn rank_row(lid: u32, rw: Row) {
     }
     let n = min(rw.kk, workgroupUniformLoad(&bcast_cnt));
     var rank = vec4<u32>(0u);
-    if (n > 0u && n <= WG && 4u * n <= CAP) {  // (uniform)
+    if (BOUND == 1u && n > 0u && n <= WG && 4u * n <= CAP) {  // (uniform)
         // T: the lane best of rank n - 1 among the lane bests (none when fewer lanes have one)
         if (bk != 0u) {
             var r = 0u;
@@ -363,7 +406,12 @@ fn rank_row(lid: u32, rw: Row) {
         }
         workgroupBarrier();
         let c = atomicLoad(&n_fill);
-        for (var x = lid; x < c; x += WG) {
+        let x_n = (c + WG - 1u) / WG;
+        for (var x_i = 0u; x_i < x_n; x_i++) {
+            let x = lid + x_i * WG;
+            if (x >= c) {
+                break;
+            }
             let ki = c_key[x];
             let ii = c_id[x];
             var r = 0u;
@@ -383,7 +431,9 @@ fn rank_row(lid: u32, rw: Row) {
         }
         workgroupBarrier();
         let m4 = rw.msb & ~3u;
-        for (var m = 0u; m < m4; m += 4u) {
+        let m_n = (m4 + 4u - 1u) / 4u;
+        for (var m_i = 0u; m_i < m_n; m_i++) {
+            let m = m_i * 4u;
             let k0 = vec4<u32>(c_key[m]);
             let k1 = vec4<u32>(c_key[m + 1u]);
             let k2 = vec4<u32>(c_key[m + 2u]);
@@ -393,7 +443,8 @@ fn rank_row(lid: u32, rw: Row) {
             rank += select(vec4<u32>(0u), vec4<u32>(1u), (k2 > kv) | ((k2 == kv) & (vec4<u32>(m + 2u) < jv)));
             rank += select(vec4<u32>(0u), vec4<u32>(1u), (k3 > kv) | ((k3 == kv) & (vec4<u32>(m + 3u) < jv)));
         }
-        for (var m = m4; m < rw.msb; m++) {
+        let m_end = rw.msb;
+        for (var m = m4; m < m_end; m++) {
             let km = vec4<u32>(c_key[m]);
             rank += select(vec4<u32>(0u), vec4<u32>(1u), (km > kv) | ((km == kv) & (vec4<u32>(m) < jv)));
         }
@@ -406,7 +457,9 @@ fn rank_row(lid: u32, rw: Row) {
     if (rw.has_local && lid == 0u) {
         out[rw.obase] = rw.local;
     }
-    for (var x = rw.slot0 + n + lid; x < params.k_out; x += WG) {
+    let x_n2 = select(0u, (params.k_out - (rw.slot0 + n + lid) + WG - 1u) / WG, params.k_out > (rw.slot0 + n + lid));
+    for (var x_i = 0u; x_i < x_n2; x_i++) {
+        let x = (rw.slot0 + n + lid) + x_i * WG;
         out[rw.obase + x] = -1;
     }
 }

@@ -202,14 +202,18 @@ def test_R24_wgpu_select_topk_bit_identical_to_numpy(be, case, force_local):
     np.testing.assert_array_equal(got, brute_topk(case["scores"], case["topk"], local))
 
 
-@pytest.fixture(params=["count", "radix"])
+@pytest.fixture(params=["count", "count-bounded", "radix"])
 def rank_path(request, monkeypatch):
-    """Both ways psa_select_topk.wgsl ranks a row: by counting (rows of <= TOPK_RANK_MAX scores,
-    the default for them) and by radix passes (forced here for every row)."""
+    """Every way psa_select_topk.wgsl ranks a row: by counting over the row (rows of <=
+    TOPK_RANK_MAX scores in a dispatch of few rows, the default for them), by counting within the
+    list of candidates above a bound (BOUND = 1, the default from TOPK_BOUND_MIN_ROWS rows on:
+    forced here for every dispatch) and by radix passes (forced here for every row)."""
     from paged_sparse_attn.backends.wgpu import _index_branch
 
     if request.param == "radix":
         monkeypatch.setattr(_index_branch, "TOPK_RANK_MAX", 0)
+    if request.param == "count-bounded":
+        monkeypatch.setattr(_index_branch, "TOPK_BOUND_MIN_ROWS", 0)
     return request.param
 
 
@@ -538,10 +542,28 @@ def test_R24_topk_entry_point_by_row_length(msb, entry):
     )
 
     ctx = SimpleNamespace(workgroup_storage=32768)
-    got, consts = topk_pipeline_args(ctx, True, msb)
+    got, consts = topk_pipeline_args(ctx, True, msb, 16384)
     assert got == entry and consts["WG"] == TOPK_WG and consts["KEYS"] == 1
     assert consts["CAP"] == (min(TOPK_RANK_MAX, 4 * TOPK_WG) if entry == "rank_rows" else topk_cap(ctx))
-    assert "KEYS" not in topk_pipeline_args(ctx, False, msb)[1]
+    assert "KEYS" not in topk_pipeline_args(ctx, False, msb, 16384)[1]
+
+
+@pytest.mark.parametrize("rows", [1, 128, 1023, 1024, 16384])
+def test_R24_topk_bounded_list_from_many_rows(rows):
+    """BOUND (short rows ranked within the list of candidates above a bound) where a dispatch
+    has TOPK_BOUND_MIN_ROWS rows or more (prefill: 16384 rows), not where the rows are one
+    wave of workgroups (decode: 128), on both entry points."""
+    from types import SimpleNamespace
+
+    from paged_sparse_attn.backends.wgpu._index_branch import (
+        TOPK_BOUND_MIN_ROWS,
+        topk_pipeline_args,
+    )
+
+    assert 128 < TOPK_BOUND_MIN_ROWS <= 16384
+    for msb in (256, 4096):
+        _, consts = topk_pipeline_args(SimpleNamespace(workgroup_storage=32768), True, msb, rows)
+        assert consts["BOUND"] == int(rows >= TOPK_BOUND_MIN_ROWS)
 
 
 def test_R24_topk_rank_rows_needs_a_quarter_of_mains_workgroup_memory(tint_device):
@@ -558,7 +580,7 @@ def test_R24_topk_rank_rows_needs_a_quarter_of_mains_workgroup_memory(tint_devic
     module = device.create_shader_module(code=kernel_source(ctx, TOPK))
     used = {}
     for msb in (256, 4096):
-        entry, consts = topk_pipeline_args(SimpleNamespace(workgroup_storage=49152), True, msb)
+        entry, consts = topk_pipeline_args(SimpleNamespace(workgroup_storage=49152), True, msb, 16384)
         consts = {**consts, "CAP": consts["CAP"] + 2000}  # over the Null adapter's limit by a known amount
         with pytest.raises(Exception) as err:
             device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry,

@@ -169,6 +169,7 @@ TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
 # rows of at most this many block scores are ranked by counting (entry point rank_rows; 0 = never):
 # one pass and a few barriers instead of the radix passes (see psa_select_topk.wgsl)
 TOPK_RANK_MAX = 4 * TOPK_WG  # (the kernel holds 4 ids per lane)
+TOPK_BOUND_MIN_ROWS = 1024   # rows from which the top-k ranks short rows within a bounded list
 
 
 def topk_cap(ctx) -> int:
@@ -177,18 +178,21 @@ def topk_cap(ctx) -> int:
     return min(TOPK_CAP, (ctx.workgroup_storage - 2048) // 8)
 
 
-def topk_pipeline_args(ctx, keys: bool, msb: int) -> tuple[str, dict[str, int]]:
-    """``(entry point, override constants)`` of ``psa_select_topk.wgsl`` for rows of ``msb``
-    scores on a device (``keys``: block-score keys in). Rows of at most ``RANK_MAX =
-    min(TOPK_RANK_MAX, topk_cap(ctx), 4 WG)`` scores are ranked by counting, entry point
-    ``rank_rows`` with ``CAP = RANK_MAX``: a workgroup memory of 2.6 KiB instead of 9.4 KiB, so
-    more workgroups per multiprocessor (the prefill shape's top-k on an H200: 277 -> 89 us);
-    longer rows take the radix select, ``main``."""
+def topk_pipeline_args(ctx, keys: bool, msb: int, rows: int) -> tuple[str, dict[str, int]]:
+    """``(entry point, override constants)`` of ``psa_select_topk.wgsl`` for a dispatch of
+    ``rows`` rows of ``msb`` scores on a device (``keys``: block-score keys in). Rows of at most
+    ``RANK_MAX = min(TOPK_RANK_MAX, topk_cap(ctx), 4 WG)`` scores are ranked by counting, entry
+    point ``rank_rows`` with ``CAP = RANK_MAX``: a workgroup memory of 2.6 KiB instead of 9.4
+    KiB, so more workgroups per multiprocessor (the prefill shape's top-k on an H200: 277 -> 89
+    us); longer rows take the radix select, ``main``. ``BOUND`` (rank within the list of
+    candidates above a bound) only from ``TOPK_BOUND_MIN_ROWS`` rows on (the kernel's header
+    has the measurements); the result is the same either way."""
     cap = topk_cap(ctx)
     rank_max = min(TOPK_RANK_MAX, cap, 4 * TOPK_WG)
+    extra = {**({"KEYS": 1} if keys else {}), "BOUND": int(int(rows) >= TOPK_BOUND_MIN_ROWS)}
     if 0 < int(msb) <= rank_max:
-        return "rank_rows", {"WG": TOPK_WG, "CAP": rank_max, **({"KEYS": 1} if keys else {})}
-    return "main", {"WG": TOPK_WG, "CAP": cap, **({"KEYS": 1} if keys else {})}
+        return "rank_rows", {"WG": TOPK_WG, "CAP": rank_max, **extra}
+    return "main", {"WG": TOPK_WG, "CAP": cap, **extra}
 
 
 def topk_record(first: int, count: int, grid_x: int, msb: int, k_out: int, heads: int) -> np.ndarray:
@@ -574,7 +578,7 @@ class IndexBranchMixin:
         if topk_cap(ctx) < 1:
             raise UnsupportedError(f"{fn}(): backend 'wgpu' needs more than {ctx.workgroup_storage} bytes of "
                                    "workgroup memory [R18]")
-        entry, consts = topk_pipeline_args(ctx, False, msb)
+        entry, consts = topk_pipeline_args(ctx, False, msb, Tq * Hkv)
         pipe, bgl = self._ib_pipeline(TOPK, False, consts, entry)
         bits = p.scores.view(np.uint32).reshape(Tq, Hkv * msb)
         local = p.local_block.astype(np.int32)

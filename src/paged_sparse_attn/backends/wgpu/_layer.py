@@ -677,7 +677,7 @@ class DeviceRuntime:
                 records.append(_record(f2, cnt, gx, Tq, Hkv, msb, float(p.softmax_scale), 0, int(st.starts[1])))
                 calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
         sp.n_score_calls = len(calls)
-        entry, consts = topk_pipeline_args(ctx, True, msb)
+        entry, consts = topk_pipeline_args(ctx, True, msb, rows)
         tpipe, tbgl = be._ib_pipeline(TOPK, False, consts, entry)
         for f2, cnt, gx, gy in grid_dispatches(rows, maxdim):
             records.append(topk_record(f2, cnt, gx, msb, k_out, Hkv))
