@@ -48,7 +48,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>) {
     let col0 = wid.x * 16u * TN;
     var acc: array<Result, MAX_T * MAX_T>;  // (i, j) at i * MAX_T + j; zero-initialised
     var right: array<Right, MAX_T>;
-    let k0_n = (k_len + 16u - 1u) / 16u;
+    let k0_n = (k_len + 15u) / 16u;
     for (var k0_i = 0u; k0_i < k0_n; k0_i++) {
         let k0 = k0_i * 16u;
         for (var j = 0u; j < TN; j++) {

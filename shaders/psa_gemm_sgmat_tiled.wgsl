@@ -186,7 +186,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         let sa0 = (t % STAGES) * A_STAGE + srow * SA;
         let sb0 = (t % STAGES) * B_STAGE + scol;
-        let kk_n = (BK + 16u - 1u) / 16u;
+        let kk_n = (BK + 15u) / 16u;
         for (var kk_i = 0u; kk_i < kk_n; kk_i++) {
             let kk = kk_i * 16u;
             let sbk = sb0 + kk * SB;

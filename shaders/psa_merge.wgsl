@@ -107,7 +107,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var seen = false;
     var l = 0.0;
     var o = 0.0;
-    let c_n = select(0u, (end - start + 8u - 1u) / 8u, end > start);
+    let c_n = select(0u, (end - start + 7u) / 8u, end > start);
     for (var c_i = 0u; c_i < c_n; c_i++) {
         let c = start + c_i * 8u;
         let e0 = elem(eo, c, end, gs, sub, d);

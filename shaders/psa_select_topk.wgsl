@@ -344,9 +344,13 @@ fn radix_row(lid: u32, rw: Row) {
     if (rw.has_local && lid == 0u) {
         out[rw.obase] = rw.local;
     }
-    let x_n2 = select(0u, (params.k_out - (rw.slot0 + n + lid) + WG - 1u) / WG, params.k_out > (rw.slot0 + n + lid));
+    let pad0 = rw.slot0 + n;  // the row's first padding slot
+    let x_n2 = (params.k_out - min(pad0, params.k_out) + WG - 1u) / WG;
     for (var x_i = 0u; x_i < x_n2; x_i++) {
-        let x = (rw.slot0 + n + lid) + x_i * WG;
+        let x = pad0 + lid + x_i * WG;
+        if (x >= params.k_out) {
+            break;
+        }
         out[rw.obase + x] = -1;
     }
 }
@@ -431,7 +435,7 @@ fn rank_row(lid: u32, rw: Row) {
         }
         workgroupBarrier();
         let m4 = rw.msb & ~3u;
-        let m_n = (m4 + 4u - 1u) / 4u;
+        let m_n = (m4 + 3u) / 4u;
         for (var m_i = 0u; m_i < m_n; m_i++) {
             let m = m_i * 4u;
             let k0 = vec4<u32>(c_key[m]);
@@ -457,9 +461,13 @@ fn rank_row(lid: u32, rw: Row) {
     if (rw.has_local && lid == 0u) {
         out[rw.obase] = rw.local;
     }
-    let x_n2 = select(0u, (params.k_out - (rw.slot0 + n + lid) + WG - 1u) / WG, params.k_out > (rw.slot0 + n + lid));
+    let pad0 = rw.slot0 + n;  // the row's first padding slot
+    let x_n2 = (params.k_out - min(pad0, params.k_out) + WG - 1u) / WG;
     for (var x_i = 0u; x_i < x_n2; x_i++) {
-        let x = (rw.slot0 + n + lid) + x_i * WG;
+        let x = pad0 + lid + x_i * WG;
+        if (x >= params.k_out) {
+            break;
+        }
         out[rw.obase + x] = -1;
     }
 }

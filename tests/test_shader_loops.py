@@ -11,7 +11,7 @@ iterations into a ``let`` first. A loop left to the guard on purpose says so on 
 ``// rolled:`` comment and the reason (a rare path whose unrolled code would cost registers, or
 a kernel measured faster that way); a file whose loops all stay so says it once, in a line
 ``// rolled (every loop): <why>``. Measured on the H200 (Dawn, bounds checks on, the same bits):
-the prefill tensor-core partials 12.9 -> 10.0 ms, the decode partials 119.8 -> 102.9 µs per
+the prefill tensor-core partials 12.9 -> 10.0 ms, the decode partials 119.6 -> 103.0 µs per
 call (see the benchmarks page).
 """
 
