@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from paged_sparse_attn.backends.wgpu import _kernels, _shaders
 
-__all__ = ["SOURCES", "original", "register"]
+__all__ = ["SOURCES", "original", "register", "use"]
 
 SOURCES: dict[str, str] = {}
 _orig_read = _shaders._read
@@ -39,3 +39,12 @@ def register(name: str, source: str, row: _kernels.Kernel) -> str:
     _kernels.KERNEL_TABLE[name] = row
     _shaders.shader_source.cache_clear()
     return name
+
+
+def use(sources: dict[str, str]) -> None:
+    """Make ``sources`` ({kernel file: WGSL}) the kernels of those names in this process, in place
+    of the project's files; ``use({})`` goes back to the project's kernels (and drops every
+    registered variant)."""
+    SOURCES.clear()
+    SOURCES.update(sources)
+    _shaders.shader_source.cache_clear()

@@ -18,7 +18,6 @@ to give the same bits); a line says when it does not. Run on a machine with Dawn
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -28,11 +27,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import _wgsl_variants as wv
+from _layer_inputs import add_arguments, layer_inputs
 
 from paged_sparse_attn.backends.wgpu import _index_branch as ib
 from paged_sparse_attn.backends.wgpu import _kernels
-from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, _index_inputs, _plan
-from paged_sparse_attn.bench.workloads import make_problem
+from paged_sparse_attn.bench.layer import _plan
 
 KERNELS = ("SCORES_SGMAT", "TOPK")  # the module attributes of _index_branch a variant replaces
 ORIGINAL = {k: getattr(ib, k) for k in KERNELS}
@@ -92,17 +91,10 @@ def main() -> int:
                     help="also the working tree's kernels on a Dawn device without bounds checks")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--calls", type=int, default=8)
-    ap.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
-    ap.add_argument("--shape", type=int, nargs=2, default=None, metavar=("TQ", "L"),
-                    help="a smaller prefill (queries, cached positions) to try the script on a CPU driver")
+    add_arguments(ap)
     a = ap.parse_args()
     t0 = time.perf_counter()
-    lw = {x.w.name: x for x in LAYER_WORKLOADS}[a.workload]
-    if a.shape:
-        lw = dataclasses.replace(lw, w=dataclasses.replace(lw.w, Tq_per_seq=a.shape[0], L=a.shape[1]))
-    prob = make_problem(lw.w, seed=1, fill="selected")
-    iqs, ik = _index_inputs(lw, prob, seed=2)
-    iqs = iqs[:2]
+    lw, prob, iqs, ik = layer_inputs(a.workload, a.shape)
     variants = []
     for i, v in enumerate(a.variant):
         label, folder = v.split("=", 1)

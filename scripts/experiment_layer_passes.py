@@ -20,7 +20,6 @@ it still apply). ``--shape TQ L`` shrinks the prefill workload (to try the scrip
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -30,19 +29,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import _wgsl_variants as wv
+from _layer_inputs import add_arguments, layer_inputs
 
-from paged_sparse_attn.backends.wgpu import _sgmat, _shaders
-from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, _index_inputs, _plan
-from paged_sparse_attn.bench.workloads import make_problem
+from paged_sparse_attn.backends.wgpu import _sgmat
+from paged_sparse_attn.bench.layer import _plan
 
 PASSES = ("gpu_scores_s", "gpu_topk_s", "gpu_invert_s", "gpu_attention_s", "gpu_total_s")
-
-
-def use(sources: dict[str, str]) -> None:
-    """Make ``sources`` ({kernel file: WGSL}) the kernels of this process (empty: the project's)."""
-    wv.SOURCES.clear()
-    wv.SOURCES.update(sources)
-    _shaders.shader_source.cache_clear()
 
 
 def geometry(spec: str):
@@ -67,7 +59,7 @@ def measure(backend: str, sources: dict[str, str], prob, iqs, ik, lw, calls: int
 
     options = dict(options or {})
     _sgmat._candidates = geometry(options.pop("geometry")) if "geometry" in options else ORIGINAL_CANDIDATES
-    use(sources)
+    wv.use(sources)
     be = type(registry.get_backend(backend))(timestamps=True, **(options or {}))
     try:
         kd, vd = be.upload_kv_cache(prob["k_cache"], prob["v_cache"])
@@ -83,7 +75,7 @@ def measure(backend: str, sources: dict[str, str], prob, iqs, ik, lw, calls: int
         plan.close()
         return {k: float(np.median(v)) for k, v in times.items()}, np.asarray(out)
     finally:
-        use({})
+        wv.use({})
         _sgmat._candidates = ORIGINAL_CANDIDATES
         be.close()
 
@@ -104,17 +96,10 @@ def main() -> int:
                     help="LABEL=R,TK,NSG: the tensor-core partials kernel in that geometry (repeatable)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=8)
-    ap.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
-    ap.add_argument("--shape", type=int, nargs=2, default=None, metavar=("TQ", "L"),
-                    help="a smaller prefill (queries, cached positions) to try the script on a CPU driver")
+    add_arguments(ap)
     a = ap.parse_args()
     t0 = time.perf_counter()
-    lw = {x.w.name: x for x in LAYER_WORKLOADS}[a.workload]
-    if a.shape:
-        lw = dataclasses.replace(lw, w=dataclasses.replace(lw.w, Tq_per_seq=a.shape[0], L=a.shape[1]))
-    prob = make_problem(lw.w, seed=1, fill="selected")
-    iqs, ik = _index_inputs(lw, prob, seed=2)
-    iqs = iqs[:2]
+    lw, prob, iqs, ik = layer_inputs(a.workload, a.shape)
     variants = [("working tree", {}, None)]
     for v in a.variant:
         label, folder = v.split("=", 1)

@@ -148,6 +148,23 @@ fn clear_counters(lid: u32) {
     }
 }
 
+// Step 4 of a row with n chosen candidates in slots slot0 .. slot0 + n - 1: the local block to
+// slot 0 (when the row has one) and -1 to every slot after the chosen ones.
+fn finish_row(lid: u32, rw: Row, n: u32) {
+    if (rw.has_local && lid == 0u) {
+        out[rw.obase] = rw.local;
+    }
+    let pad0 = rw.slot0 + n;  // the row's first padding slot
+    let x_n = (params.k_out - min(pad0, params.k_out) + WG - 1u) / WG;
+    for (var x_i = 0u; x_i < x_n; x_i++) {
+        let x = pad0 + lid + x_i * WG;
+        if (x >= params.k_out) {
+            break;
+        }
+        out[rw.obase + x] = -1;
+    }
+}
+
 // Rows of more than RANK_MAX scores (RANK_MAX = 4 WG): steps 1-4 of the header.
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -340,19 +357,7 @@ fn radix_row(lid: u32, rw: Row) {
         }
     }
 
-    // 4. the local block and the padding
-    if (rw.has_local && lid == 0u) {
-        out[rw.obase] = rw.local;
-    }
-    let pad0 = rw.slot0 + n;  // the row's first padding slot
-    let x_n2 = (params.k_out - min(pad0, params.k_out) + WG - 1u) / WG;
-    for (var x_i = 0u; x_i < x_n2; x_i++) {
-        let x = pad0 + lid + x_i * WG;
-        if (x >= params.k_out) {
-            break;
-        }
-        out[rw.obase + x] = -1;
-    }
+    finish_row(lid, rw, n);  // 4.
 }
 
 // A short row (msb <= CAP <= 4 WG: the host's RANK_MAX): lane l holds the keys of ids l, l + WG,
@@ -458,16 +463,5 @@ fn rank_row(lid: u32, rw: Row) {
             }
         }
     }
-    if (rw.has_local && lid == 0u) {
-        out[rw.obase] = rw.local;
-    }
-    let pad0 = rw.slot0 + n;  // the row's first padding slot
-    let x_n2 = (params.k_out - min(pad0, params.k_out) + WG - 1u) / WG;
-    for (var x_i = 0u; x_i < x_n2; x_i++) {
-        let x = pad0 + lid + x_i * WG;
-        if (x >= params.k_out) {
-            break;
-        }
-        out[rw.obase + x] = -1;
-    }
+    finish_row(lid, rw, n);
 }
