@@ -160,3 +160,41 @@ def test_R32_caches_checked_again_after_update(WgpuBackend, device):
         plan.run(q, kd, vd, sel)
     plan.close()
     be.close()
+
+
+def test_R35_synchronize_waits_with_one_mapped_word_and_opens_no_device_after_close(WgpuBackend):
+    be = WgpuBackend()
+    be.synchronize()  # nothing submitted yet
+    c = _decode(5)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = _plan(be, c)
+    outs = [plan.run(be.asarray(q), kd, vd, be.asarray(c["sel"]), return_lse=True) for q in c["qs"]]
+    ctx = be.device_context
+    be.synchronize()
+    if ctx.runtime.work_done_wait:
+        assert ctx.sync_buffers is None
+    else:  # wgpu-native: the mapped 4-byte copy, made once and left unmapped
+        src, rb = ctx.sync_buffers
+        assert rb.map_state == "unmapped"
+        plan.synchronize()
+        assert ctx.sync_buffers == (src, rb)
+    for q, (o, lse) in zip(c["qs"], outs):
+        want = plan.run(q, kd, vd, c["sel"], return_lse=True)
+        np.testing.assert_array_equal(o.numpy(), want[0])
+        np.testing.assert_array_equal(lse.numpy(), want[1])
+    be.close()
+    be.synchronize()  # closed: nothing to wait for, no new device
+    assert be.device_context is None
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 1000])
+def test_R30_device_arrays_of_any_byte_count_read_back_as_they_went(WgpuBackend, n):
+    """One copy out of a mapped buffer of whole words: arrays whose bytes are not a multiple of 4
+    (float16, int8) come back without their padding."""
+    be = WgpuBackend()
+    rng = np.random.default_rng(n)
+    for x in (rng.standard_normal(n).astype(np.float16), rng.integers(-100, 100, n).astype(np.int8),
+              rng.standard_normal((n, 3)).astype(np.float32)):
+        got = be.asarray(x).numpy()
+        assert got.dtype == x.dtype and got.shape == x.shape
+        assert got.tobytes() == x.tobytes()

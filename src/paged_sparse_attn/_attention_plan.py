@@ -286,6 +286,11 @@ class AttentionPlan:
             self.layout = new
             self._passed.clear()  # a cache that passed may be too small for the new pages (R2)
 
+    def synchronize(self) -> None:
+        """Wait until the runs of this plan (and every other call of its backend) have finished
+        on the device: ``backend.synchronize()`` (R35)."""
+        self.backend.synchronize()
+
     def close(self) -> None:
         """Release what the runtime holds (device buffers)."""
         with self._lock:

@@ -157,6 +157,14 @@ class Backend(ABC):
         """
         return None
 
+    def synchronize(self) -> None:
+        """Wait until every call this backend has accepted has finished on its device (R35).
+
+        Copies nothing to the host and raises no R31 error (a device-resident selection's
+        violation is raised by the first readback of its results). The default, for backends
+        that compute on the host before they return: nothing to wait for.
+        """
+
     def close(self) -> None:
         """Release device resources. The default has none."""
 

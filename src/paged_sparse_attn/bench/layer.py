@@ -8,7 +8,7 @@ same caches (resident on the device), is timed in wall time:
     device, one synchronisation at the end (a pipelined model); torch: gather+SDPA on the GPU,
     one synchronisation at the end.
 ``attention, synced``
-    the same with a synchronisation per layer (ours: the output read back to the host).
+    the same with a synchronisation per layer.
 ``forward() numpy``
     ours only: ``forward()`` with host q and selection, host outputs (one call's latency).
 ``layer`` (index branch + attention)
@@ -17,6 +17,11 @@ same caches (resident on the device), is timed in wall time:
     then gather+SDPA.
 ``layer, synced``
     the same with a synchronisation per layer.
+
+A synchronisation waits for the device and copies nothing: ``backend.synchronize()`` (R35) for
+ours, ``torch.cuda.synchronize()`` for torch. What a copy of one layer's ``out`` to the host
+costs is kept apart (``readback_s``: ours ``out.numpy()``, torch ``out.cpu()``, each after a
+synchronisation).
 
 For the pipelined loops of ours the host time per layer is also kept (``attention_host_s``,
 ``layer_host_s``: until the last call returned, before the final synchronisation): equal to the
@@ -90,6 +95,19 @@ def _loop_time(step: Callable[[int], object], sync: Callable[[object], None], la
     return float(np.median(times))
 
 
+def _readback_time(call: Callable[[], object], sync: Callable[[object], None],
+                   read: Callable[[object], object], repeat: int) -> float:
+    """Median wall seconds of ``read(out)``, the copy of one call's finished output to the host."""
+    times = []
+    for _ in range(max(3, repeat)):
+        out = call()
+        sync(out)
+        t0 = time.perf_counter()
+        read(out)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def _index_inputs(lw: LayerWorkload, prob: dict, seed: int):
     rng = np.random.default_rng(seed)
     w = lw.w
@@ -119,8 +137,8 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
     sd = be.asarray(prob["selected"])
     row = dict(kernel=plan._runtime.geometry.get("kernel") if hasattr(plan._runtime, "geometry") else None)
 
-    def sync(res):
-        res[0].numpy() if isinstance(res, tuple) else res.numpy()
+    def sync(_):
+        be.synchronize()  # R35: waits, copies nothing (torch: torch.cuda.synchronize())
 
     att = lambda i: plan.run(qd[i], kd, vd, sd)  # noqa: E731
     lay = lambda i: plan.run_sparse(qd[i], kd, vd, iqd[i], ikd)  # noqa: E731
@@ -131,6 +149,7 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
     row["layer_s"] = _loop_time(lay, sync, L, repeat, False, issued)
     row["layer_synced_s"] = _loop_time(lay, sync, L, repeat, True)
     row["attention_host_s"], row["layer_host_s"] = issued
+    row["readback_s"] = _readback_time(lambda: att(0), sync, lambda out: out.numpy(), repeat)
     fargs = dict(used_kv_lens=prob["used_kv_lens"], block_size=w.block_size, causal=w.causal, backend=be)
     row["forward_numpy_s"] = _loop_time(
         lambda i: __import__("paged_sparse_attn").forward(qs[i], kd, vd, prob["block_tables"], prob["selected"],
@@ -245,6 +264,7 @@ def _torch(lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
                attention_synced_s=_loop_time(lambda j: run(tq[j]), sync, n, repeat, True),
                layer_s=_loop_time(layer, sync, n, repeat, False),
                layer_synced_s=_loop_time(layer, sync, n, repeat, True))
+    row["readback_s"] = _readback_time(lambda: run(tq[0]), sync, lambda out: out.cpu(), repeat)
     try:
         row["index_gpu_s"] = cuda_time(index_only, max(repeat, 10))
     except Exception as exc:  # noqa: BLE001 -- the loops above stand without it
@@ -294,7 +314,7 @@ def _ratios(rows: list[dict]) -> None:
         peer = next((x for x in rows if x["workload"] == r["workload"] and x.get("impl", "").startswith("torch")
                      and "error" not in x), None)
         if peer:
-            for k in ("attention_s", "attention_synced_s", "layer_s", "layer_synced_s"):
+            for k in ("attention_s", "attention_synced_s", "layer_s", "layer_synced_s", "readback_s"):
                 if r.get(k) and peer.get(k):
                     r[f"speedup_vs_torch_{k[:-2]}"] = peer[k] / r[k]
             if r.get("split_gpu_index_s") and peer.get("index_gpu_s"):

@@ -1,4 +1,4 @@
-"""The conformance kit for plans and device arrays (R30-R33), on every selected backend.
+"""The conformance kit for plans and device arrays (R30-R33, R35), on every selected backend.
 
 Collected with the rest of the kit (``pytest --pyargs paged_sparse_attn.testing --backend
 NAME``); ``tests/test_plan_properties.py`` re-exports these tests for the project's own run. A
@@ -173,3 +173,29 @@ def test_R32_run_sparse_equals_the_index_branch_then_forward(backend, data, seed
                        block_size=p.block_size, softmax_scale=p.softmax_scale, causal=p.causal, backend=backend,
                        return_lse=True)
     assert _bits(got, want), "R32: plan.run_sparse() differs from block_scores -> select_topk -> forward"
+
+
+@given(data=st.data())
+def test_R35_synchronize_waits_without_reading_back_or_raising_R6(backend, data):
+    """``synchronize()`` returns with the runs done and copies nothing: a device selection that
+    breaks R6 raises at the first readback after it (R31), not in it; results read after it are
+    the call's."""
+    assert backend.synchronize() is None  # every backend has it (a host backend: nothing to wait for)
+    if not _has_device(backend) or not hasattr(backend, "asarray"):
+        return
+    p = _problem(data, backend, topk=st.integers(2, 4), num_kv_heads=1)
+    if p.num_queries == 0:
+        return
+    k, v = _caches(backend, p.k_cache, p.v_cache)
+    plan = _plan(backend, p)
+    q = backend.asarray(p.q.astype(np.float32))
+    good = plan.run(q, k, v, backend.asarray(p.selected), return_lse=True)
+    sel = p.selected.copy()
+    sel[data.draw(st.integers(0, p.num_queries - 1), label="row"), 0, :2] = (0, 0)  # a repeated id
+    bad = plan.run(q, k, v, backend.asarray(sel))
+    plan.synchronize()  # no R6 here: nothing reached the host
+    backend.synchronize()
+    with pytest.raises(psa.SpecError, match=r"\[R6\]"):
+        bad.numpy()
+    want = plan.run(p.q.astype(np.float32), k, v, p.selected, return_lse=True)
+    assert _bits([x.numpy() for x in good], want), "R35: results read after synchronize() differ from the call's"

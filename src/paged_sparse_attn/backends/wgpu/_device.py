@@ -136,6 +136,7 @@ class DeviceContext:
     subgroup: tuple = (None, "the subgroup size was not measured")  # (size or None, why not): open_device
     runtime: Runtime = WGPU_NATIVE  # the WebGPU implementation the device comes from
     sgmat: frozenset = frozenset()  # (M, N, K) of the f16 x f16 -> f32 subgroup-matrix configurations
+    sync_buffers: tuple | None = None  # (source, mappable) of the 4-byte copy a wait maps: _transfer.wait_queue
 
 
 SUBGROUP_PROBE = "psa_subgroup_size.wgsl"

@@ -274,17 +274,26 @@ class DeviceRuntime:
                                              usage=BufferUsage.STORAGE | BufferUsage.COPY_SRC
                                              | BufferUsage.COPY_DST, label="results")
 
-    def _read_results(self, buf, nbytes: int) -> np.ndarray:
-        """Bytes of a device call's result buffer, through the plan's mapped readback buffer (one
-        copy, one submit, one map: no staging buffer made per read)."""
+    def _read_results(self, buf, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Byte ranges of a device call's result buffer, through the plan's mapped readback
+        buffer: one submit of the copies, one map, each range copied once into a new array."""
         self._live()
         dev = self.ctx.device
-        with device_errors("readback of results", bytes=nbytes):
+        total = sum(n for _, n in ranges)
+        with device_errors("readback of results", bytes=total):
             enc = dev.create_command_encoder(label="paged_sparse_attn.readback")
-            enc.copy_buffer_to_buffer(buf, 0, self.rb, 0, nbytes)
+            at = 0
+            for off, n in ranges:
+                enc.copy_buffer_to_buffer(buf, off, self.rb, at, n)
+                at += n
             dev.queue.submit([enc.finish()])
             try:
-                return np.frombuffer(map_read(self.rb, nbytes), dtype=np.uint8).copy()
+                mapped = np.frombuffer(map_read(self.rb, total), dtype=np.uint8)
+                out, at = [], 0
+                for _, n in ranges:
+                    out.append(mapped[at:at + n].copy())
+                    at += n
+                return out
             finally:
                 if self.rb.map_state != "unmapped":
                     self.rb.unmap()

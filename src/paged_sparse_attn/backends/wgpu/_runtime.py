@@ -38,6 +38,10 @@ class Runtime:
     subgroup_directive: str         # WGSL directive a shader using subgroup builtins needs ("" if none)
     trusted_modules: bool           # shader modules can be created without runtime checks
     sgmat_feature: str | None       # subgroup-matrix feature, or None where the runtime has none
+    # queue.on_submitted_work_done_sync() waits for the queue (Dawn, 22 us idle on an H200);
+    # wgpu-py's binding of it fails against the wgpu-native it ships with, so that runtime waits
+    # by mapping a 4-byte copy submitted after the work (R35)
+    work_done_wait: bool = False
     instance_toggles: tuple[str, ...] = ()
     device_toggles: tuple[str, ...] = ()
     driver_hint: str = ""
@@ -175,7 +179,7 @@ WGPU_NATIVE = Runtime(
 DAWN = Runtime(
     name="dawn", module="wgpudawn", extra="dawn",
     subgroup_feature="subgroups", subgroup_directive="enable subgroups;\n", trusted_modules=False,
-    sgmat_feature="chromium-experimental-subgroup-matrix",
+    sgmat_feature="chromium-experimental-subgroup-matrix", work_done_wait=True,
     # subgroup matrices are behind allow_unsafe_apis; Dawn offers no f16 on NVIDIA's Vulkan driver
     # without vulkan_enable_f16_on_nvidia (ignored elsewhere)
     instance_toggles=("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"),

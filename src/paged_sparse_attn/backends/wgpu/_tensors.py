@@ -97,7 +97,7 @@ class WgpuTensor(DeviceArray):
             return np.zeros(self.shape, dtype=self.dtype)
         with self.backend._lock:
             raw = self.backend._read_range(self.buffer(), self._offset, self.nbytes)
-        return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape).copy()
+        return raw.view(self.dtype).reshape(self.shape)
 
     def __array__(self, dtype=None, copy=None):
         a = self.numpy()
@@ -144,8 +144,9 @@ class CallResult:
         self.ml_bytes = self.rows * 8
         self.err_offset = self.o_bytes + self.ml_bytes
         self.fn, self.num_kv_heads, self.msb = fn, num_kv_heads, msb
-        self._host: np.ndarray | None = None
-        self._reader = reader  # (buffer, nbytes) -> bytes: the plan's staging read (else a queue read)
+        # (buffer, [(offset, nbytes), ...]) -> one uint8 array per range: the plan's readback
+        # buffer (one copy, one submit, one map per read); else a read through the backend
+        self._reader = reader
         # ``recycle``: the plan takes the buffer back for a later call once nothing refers to
         # these results (queue order makes the reuse safe); else it is destroyed
         self._finalizer = (weakref.finalize(self, recycle, buffer) if recycle is not None
@@ -175,35 +176,30 @@ class CallResult:
             self._buffer = None
         self._finalizer()
 
-    def _raw(self) -> np.ndarray:
-        if self._host is None:
-            if self._buffer is None:
-                raise DeviceError(f"wgpu backend: the results of {self.fn}() were released")
-            with self.backend._lock:
-                if self._generation != self.backend._generation:
-                    raise DeviceError(f"wgpu backend: the results of {self.fn}() belong to a device that was "
-                                      "lost or closed")
-                buf = self._buffer
-                if self._reader is not None:
-                    self._host = self._reader(buf, self.err_offset + 8)
-                else:
-                    self._host = np.frombuffer(self.backend._read_range(buf, 0, self.err_offset + 8),
-                                               dtype=np.uint8).copy()
-        return self._host
-
-    def check(self) -> None:
-        """Raise SpecError (R6) if the call's device-resident selection broke R6."""
-        err = self._raw()[self.err_offset:self.err_offset + 8].view(np.uint32)
-        if int(err[0]):
-            raise SpecError(error_message(self.fn, int(err[0]), int(err[1]), self.num_kv_heads, self.msb), "R6")
+    def _read(self, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Byte ranges of the result buffer, each copied once into a host array (not kept: a
+        second ``.numpy()`` reads again rather than holding a host copy of every result)."""
+        if self._buffer is None:
+            raise DeviceError(f"wgpu backend: the results of {self.fn}() were released")
+        with self.backend._lock:
+            if self._generation != self.backend._generation:
+                raise DeviceError(f"wgpu backend: the results of {self.fn}() belong to a device that was "
+                                  "lost or closed")
+            if self._reader is not None:
+                return self._reader(self._buffer, ranges)
+            return [self.backend._read_range(self._buffer, off, n) for off, n in ranges]
 
     def read(self, t: WgpuTensor) -> np.ndarray:
-        raw = self._raw()
-        self.check()
+        """``t`` (this call's ``out`` or ``lse``) on the host, after the R6 check of the call's
+        device-resident selection (R31): the error words come back with the data."""
+        rng = (0, self.o_bytes) if t._label == "out" else (self.o_bytes, self.ml_bytes)
+        data, err = self._read([rng, (self.err_offset, 8)])
+        err = err.view(np.uint32)
+        if int(err[0]):
+            raise SpecError(error_message(self.fn, int(err[0]), int(err[1]), self.num_kv_heads, self.msb), "R6")
         if t._label == "out":
-            return raw[:self.o_bytes].view(np.float32).reshape(t.shape).copy()
-        ml = raw[self.o_bytes:self.err_offset].view(np.float32).reshape(-1, 2)
-        return lse_from_ml(ml).reshape(t.shape)
+            return data.view(np.float32).reshape(t.shape)
+        return lse_from_ml(data.view(np.float32).reshape(-1, 2)).reshape(t.shape)
 
 
 def lse_from_ml(ml: np.ndarray) -> np.ndarray:
@@ -227,6 +223,8 @@ def upload(backend, ctx, x: np.ndarray, label: str) -> WgpuTensor:
     usage = BufferUsage.STORAGE | BufferUsage.COPY_SRC | BufferUsage.COPY_DST
     with device_errors(f"upload of {label}", bytes=raw.nbytes):
         buf = ctx.device.create_buffer(size=pad, usage=usage, label=label)
+        if raw.nbytes % 4:  # writes move whole 4-byte words: pad a float16 or int8 array's tail
+            raw = np.concatenate([raw, np.zeros(-raw.nbytes % 4, np.uint8)])
         if raw.nbytes:
             ctx.device.queue.write_buffer(buf, 0, raw)
     return WgpuTensor(backend, buf, arr.shape, arr.dtype, generation=backend._generation, label=label)

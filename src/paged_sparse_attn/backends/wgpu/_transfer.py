@@ -22,7 +22,7 @@ import numpy as np
 from ._device import destroy_all
 from ._webgpu import BufferUsage, MapMode
 
-__all__ = ["CallBuffers", "bind_group", "map_read"]
+__all__ = ["CallBuffers", "bind_group", "map_read", "wait_queue"]
 
 ALIGN = 256  # pooled sizes are rounded up to this (and grown by 1.5x) so that small growth reuses
 
@@ -110,6 +110,32 @@ def map_read(buf, nbytes: int) -> memoryview:
 
         buf.map_sync(MapMode.READ, 0, nbytes)
     return buf.read_mapped(0, nbytes, copy=False)
+
+
+def wait_queue(ctx: Any) -> None:
+    """Block until the work submitted to ``ctx``'s queue has finished, copying nothing back (R35).
+
+    Dawn waits on the queue itself. wgpu-native (whose ``on_submitted_work_done`` wgpu-py cannot
+    call) maps a 4-byte copy submitted after that work: the map waits for the copy's submission,
+    and a queue's submissions finish in order. The two 16-byte buffers are made once per device.
+    """
+    dev = ctx.device
+    if ctx.runtime.work_done_wait:
+        dev.queue.on_submitted_work_done_sync()
+        return
+    if ctx.sync_buffers is None:
+        ctx.sync_buffers = (dev.create_buffer(size=16, usage=BufferUsage.COPY_SRC, label="sync.src"),
+                            dev.create_buffer(size=16, usage=BufferUsage.MAP_READ | BufferUsage.COPY_DST,
+                                              label="sync.rb"))
+    src, rb = ctx.sync_buffers
+    enc = dev.create_command_encoder(label="paged_sparse_attn.synchronize")
+    enc.copy_buffer_to_buffer(src, 0, rb, 0, 4)
+    dev.queue.submit([enc.finish()])
+    try:
+        map_read(rb, 4)
+    finally:
+        if rb.map_state != "unmapped":
+            rb.unmap()
 
 
 # wgpu-py maps in READ mode only after submitting an empty command buffer (a workaround for maps
