@@ -33,6 +33,7 @@ from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._kernels import pipeline
+from ._record import recorder
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read
 from ._webgpu import BufferUsage, QueryType
@@ -114,6 +115,7 @@ class DeviceRuntime:
         fn = "plan_attention"
         ctx = self.ctx = be._device()
         self.generation = be._generation
+        self.rec = recorder(ctx.runtime)  # dispatches through the C functions (_record.py)
         U = BufferUsage
         Tq, Hkv, K, msb, B = L.num_queries, L.num_kv_heads, L.topk, L.msb, L.num_seqs
         G, D, S, BS, ppb = L.group_size, L.head_dim, L.page_size, L.block_size, L.pages_per_block
@@ -456,8 +458,10 @@ class DeviceRuntime:
         self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
         cp.end()
 
-    @staticmethod
-    def _dispatch(cp, pipe, bgroup, grid) -> None:
+    def _dispatch(self, cp, pipe, bgroup, grid) -> None:
+        if self.rec is not None:
+            self.rec.dispatch3(cp, pipe, bgroup, grid[0], grid[1])
+            return
         cp.set_pipeline(pipe)
         cp.set_bind_group(0, bgroup)
         cp.dispatch_workgroups(grid[0], grid[1], 1)

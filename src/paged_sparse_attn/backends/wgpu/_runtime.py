@@ -42,6 +42,9 @@ class Runtime:
     # wgpu-py's binding of it fails against the wgpu-native it ships with, so that runtime waits
     # by mapping a 4-byte copy submitted after the work (R35)
     work_done_wait: bool = False
+    # the cffi module (``lib``, ``ffi``) whose C functions a planned layer records its dispatches
+    # with (_record.py); "" = through wgpu-py's wrappers
+    c_module: str = ""
     instance_toggles: tuple[str, ...] = ()
     device_toggles: tuple[str, ...] = ()
     driver_hint: str = ""
@@ -172,6 +175,7 @@ _configured: dict[str, bool] = {}
 WGPU_NATIVE = Runtime(
     name="wgpu", module="wgpu", extra="wgpu",
     subgroup_feature="subgroup", subgroup_directive="", trusted_modules=True, sgmat_feature=None,
+    c_module="wgpu.backends.wgpu_native._ffi",
     driver_hint=("no Vulkan/Metal/D3D12 driver found: on Debian/Ubuntu apt-get install mesa-vulkan-drivers "
                  "(lavapipe) or install your GPU driver"),
 )
@@ -179,7 +183,7 @@ WGPU_NATIVE = Runtime(
 DAWN = Runtime(
     name="dawn", module="wgpudawn", extra="dawn",
     subgroup_feature="subgroups", subgroup_directive="enable subgroups;\n", trusted_modules=False,
-    sgmat_feature="chromium-experimental-subgroup-matrix", work_done_wait=True,
+    sgmat_feature="chromium-experimental-subgroup-matrix", work_done_wait=True, c_module="wgpudawn._lib",
     # subgroup matrices are behind allow_unsafe_apis; Dawn offers no f16 on NVIDIA's Vulkan driver
     # without vulkan_enable_f16_on_nvidia (ignored elsewhere)
     instance_toggles=("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"),
