@@ -198,3 +198,16 @@ def test_R30_device_arrays_of_any_byte_count_read_back_as_they_went(WgpuBackend,
         got = be.asarray(x).numpy()
         assert got.dtype == x.dtype and got.shape == x.shape
         assert got.tobytes() == x.tobytes()
+
+
+def test_R35_synchronize_on_a_lost_device_raises_and_the_backend_moves_to_a_new_one(WgpuBackend):
+    be = WgpuBackend()
+    old = be.device_context.device
+    old.destroy()
+    with pytest.raises(psa.DeviceError, match="synchronize"):
+        be.synchronize()
+    assert be.device_context is None, "a lost device is closed (the backend's device-loss policy)"
+    be.synchronize()  # nothing left to wait for
+    x = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(be.asarray(x).numpy(), x)  # on a new device
+    assert be.device_context.device is not old

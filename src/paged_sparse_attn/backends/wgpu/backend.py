@@ -278,8 +278,12 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             ctx = self._ctx
             if ctx is None:
                 return
-            with device_errors("synchronize"):
-                wait_queue(ctx)
+            try:
+                with device_errors("synchronize"):
+                    wait_queue(ctx)
+            except DeviceError as exc:
+                after_device_error(self, exc)  # a lost device: closed, the next call opens a new one
+                raise
 
     def close(self) -> None:
         """Release the device; resident arrays of this backend become unusable."""
