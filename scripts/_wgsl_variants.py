@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from paged_sparse_attn.backends.wgpu import _kernels, _shaders
 
-__all__ = ["SOURCES", "original", "register", "use"]
+__all__ = ["SOURCES", "add_arguments", "original", "register", "use"]
 
 SOURCES: dict[str, str] = {}
 _orig_read = _shaders._read
@@ -48,3 +48,14 @@ def use(sources: dict[str, str]) -> None:
     SOURCES.clear()
     SOURCES.update(sources)
     _shaders.shader_source.cache_clear()
+
+
+def add_arguments(ap, rounds: int) -> None:
+    """The options every variant script takes: ``--backend``, ``--variant LABEL=DIR`` (repeatable),
+    ``--no-robustness``, ``--rounds`` (default ``rounds``) and ``--calls``."""
+    ap.add_argument("--backend", default="dawn")
+    ap.add_argument("--variant", action="append", default=[], help="LABEL=DIR: a folder of WGSL files (repeatable)")
+    ap.add_argument("--no-robustness", action="store_true",
+                    help="also the working tree's kernels on a Dawn device without bounds checks")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--calls", type=int, default=8)

@@ -75,7 +75,7 @@ def rate(be, fused: bool, repeat: int, checks: bool = True, gx: int = 4096, gy: 
     pipe, bgl = pipeline(ctx, NAME, {"FUSED": fused}, checks=checks)
     bg = dev.create_bind_group(layout=bgl, entries=[{"binding": 0, "resource": {"buffer": pb}},
                                                     {"binding": 1, "resource": {"buffer": ob}}])
-    t, _ = _ceilings.median_time(ctx, _ceilings.one_dispatch(pipe, bg, gx, gy), ob, repeat, 0.2)
+    t, _ = _ceilings.median_time(ctx, _ceilings.one_dispatch(pipe, bg, gx, gy), repeat, 0.2)
     first = np.frombuffer(dev.queue.read_buffer(ob, 0, 16), np.float32)
     ob.destroy()
     pb.destroy()

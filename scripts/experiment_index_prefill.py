@@ -83,14 +83,9 @@ def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="dawn")
-    ap.add_argument("--variant", action="append", default=[], help="LABEL=DIR: a folder of WGSL files (repeatable)")
+    wv.add_arguments(ap, rounds=4)
     ap.add_argument("--ipw", type=int, nargs="*", default=[],
                     help="also the working tree's kernels with these work items per workgroup (SGMAT_SCORES_IPW)")
-    ap.add_argument("--no-robustness", action="store_true",
-                    help="also the working tree's kernels on a Dawn device without bounds checks")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--calls", type=int, default=8)
     add_arguments(ap)
     a = ap.parse_args()
     t0 = time.perf_counter()

@@ -88,14 +88,9 @@ def line(t: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="dawn")
-    ap.add_argument("--variant", action="append", default=[], help="LABEL=DIR: a folder of WGSL files (repeatable)")
-    ap.add_argument("--no-robustness", action="store_true",
-                    help="also the working tree's kernels on a Dawn device without bounds checks")
+    wv.add_arguments(ap, rounds=3)
     ap.add_argument("--geometry", action="append", default=[],
                     help="LABEL=R,TK,NSG: the tensor-core partials kernel in that geometry (repeatable)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--calls", type=int, default=8)
     add_arguments(ap)
     a = ap.parse_args()
     t0 = time.perf_counter()

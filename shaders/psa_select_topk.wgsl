@@ -130,6 +130,11 @@ struct Row {
     kk: u32,         // slots for candidates
 }
 
+// the key of block j of row rw; 0 (never a candidate) for the local block, ranked apart
+fn block_key(rw: Row, j: u32) -> u32 {
+    return select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
+}
+
 fn row_of(wi: u32) -> Row {
     let row = params.row_base + wi;
     let local = local_block[row / params.heads];
@@ -201,7 +206,7 @@ fn radix_row(lid: u32, rw: Row) {
         if (j >= rw.msb) {
             break;
         }
-        if (j != rw.lb && score_key(scores[rw.base + j]) != 0u) {
+        if (block_key(rw, j) != 0u) {
             mine += 1u;
         }
     }
@@ -246,7 +251,7 @@ fn radix_row(lid: u32, rw: Row) {
                 if (j >= rw.msb) {
                     break;
                 }
-                let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
+                let key = block_key(rw, j);
                 let lo = rw.msb - 1u - j;
                 if (key != 0u && (key & mhi) == phi && (lo & mlo) == plo) {
                     let dg = select((lo >> shift) & 255u, (key >> shift) & 255u, is_hi);
@@ -308,7 +313,7 @@ fn radix_row(lid: u32, rw: Row) {
             if (j >= rw.msb) {
                 break;
             }
-            let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
+            let key = block_key(rw, j);
             let lo = rw.msb - 1u - j;
             if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
                 let x = atomicAdd(&n_fill, 1u);  // fill order is free: the rank below is not
@@ -341,13 +346,13 @@ fn radix_row(lid: u32, rw: Row) {
             if (j >= rw.msb) {
                 break;
             }
-            let key = select(score_key(scores[rw.base + j]), 0u, j == rw.lb);
+            let key = block_key(rw, j);
             let lo = rw.msb - 1u - j;
             if (key != 0u && (key > phi || (key == phi && lo >= plo))) {
                 var rank = 0u;
                 let m_end = rw.msb;
                 for (var m = 0u; m < m_end; m++) {
-                    let km = select(score_key(scores[rw.base + m]), 0u, m == rw.lb);
+                    let km = block_key(rw, m);
                     if (km > key || (km == key && m < j)) {
                         rank += 1u;
                     }
@@ -372,7 +377,7 @@ fn rank_row(lid: u32, rw: Row) {
     var bj = 0u;
     for (var i = 0u; i < 4u; i++) {
         if (jv[i] < rw.msb) {
-            let key = select(score_key(scores[rw.base + jv[i]]), 0u, jv[i] == rw.lb);
+            let key = block_key(rw, jv[i]);
             kv[i] = key;
             if (key > bk) {
                 bk = key;

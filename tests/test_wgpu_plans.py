@@ -211,3 +211,37 @@ def test_R35_synchronize_on_a_lost_device_raises_and_the_backend_moves_to_a_new_
     x = np.arange(6, dtype=np.float32)
     np.testing.assert_array_equal(be.asarray(x).numpy(), x)  # on a new device
     assert be.device_context.device is not old
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_R32_a_plan_records_the_same_bits_through_c_and_through_wgpu_py(WgpuBackend, sparse):
+    """A plan records its dispatches through the runtime's C functions (``_record.py``); the
+    same plan through wgpu-py's calls gives the same bits."""
+    from paged_sparse_attn.backends.wgpu._record import recorder
+
+    c = _decode(11)
+    d_idx = 8
+    rng = np.random.default_rng(11)
+    iq = rng.standard_normal((c["bt"].shape[0], c["Hkv"], d_idx), dtype=np.float32)
+    ik = rng.standard_normal((c["k"].shape[0], 1, c["S"], d_idx), dtype=np.float32)
+    results = []
+    for through_c in (True, False):
+        be = WgpuBackend()
+        kd, vd = be.upload_kv_cache(c["k"], c["v"])
+        plan = psa.plan_attention(c["bt"], c["cu"], c["lens"], block_size=c["BS"], page_size=c["S"],
+                                  num_q_heads=c["Hkv"] * c["G"], num_kv_heads=c["Hkv"], head_dim=c["D"],
+                                  kv_dtype="float32", topk=c["topk"], causal=True, index_dim=d_idx,
+                                  num_index_heads=1, index_dtype="float32", backend=be)
+        rt = plan._runtime
+        assert (rt.rec is not None) == (recorder(be.device_context.runtime) is not None)
+        if not through_c:
+            rt.rec = None
+        q = be.asarray(c["qs"][0])
+        if sparse:
+            out = plan.run_sparse(q, kd, vd, be.asarray(iq), be.upload_index_cache(ik), return_lse=True)
+        else:
+            out = plan.run(q, kd, vd, be.asarray(c["sel"]), return_lse=True)
+        results.append([x.numpy() for x in out])
+        be.close()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(*results))
+

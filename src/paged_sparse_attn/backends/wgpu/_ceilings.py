@@ -20,23 +20,15 @@ import numpy as np
 from ...errors import DeviceError, UnsupportedError
 from ._device import destroy_all, device_errors, subgroup_size
 from ._shaders import shader_source
+from ._transfer import wait_queue
 from ._webgpu import BufferUsage, MapMode, QueryType
 
 __all__ = ["GEMM_KERNEL", "GEMM_TILED_KERNEL", "GEMM_VARIANTS", "READ_KERNEL", "GemmVariant", "copy_bandwidth",
-           "gemm_error_bound", "matmul_rate", "matmul_variants", "median_time", "one_dispatch", "read_bandwidth",
-           "wait_idle"]
+           "gemm_error_bound", "matmul_rate", "matmul_variants", "median_time", "one_dispatch", "read_bandwidth"]
 
 READ_KERNEL = "psa_read_bandwidth.wgsl"
 READ_WG = 256
 WARMUP_RUNS_PER_SUBMIT = 8
-
-
-def wait_idle(dev: Any, buf: Any) -> None:
-    """Block until the submitted work is done: read 4 bytes of ``buf`` (needs COPY_SRC) back.
-
-    (wgpu-py's ``on_submitted_work_done_sync`` fails with the wgpu-native it ships with.)
-    """
-    dev.queue.read_buffer(buf, 0, 4)
 
 
 def one_dispatch(pipe: Any, bind_group: Any, *grid: int) -> Callable[[Any, Any], None]:
@@ -55,7 +47,7 @@ def one_dispatch(pipe: Any, bind_group: Any, *grid: int) -> Callable[[Any, Any],
     return encode
 
 
-def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, repeat: int,
+def median_time(ctx: Any, encode: Callable[[Any, Any], None], repeat: int,
                 warmup_s: float = 0.0) -> tuple[float, str]:
     """Median seconds of the commands ``encode(encoder, qset)`` records, and the timer used.
 
@@ -63,7 +55,7 @@ def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, rep
     and 1 at its end. First untimed runs for ``warmup_s`` seconds, eight per submission (a GPU
     that has been idle runs at its idle clock at first), then one warm-up run and ``repeat``
     timed ones, one submission each. GPU timestamps when the device has them (``"timestamp-query"``),
-    else host time around submit and wait (``"wall"``; ``wait_buf`` needs COPY_SRC).
+    else host time around submit and wait (``"wall"``; the wait is ``_transfer.wait_queue``).
     """
 
     dev = ctx.device
@@ -74,7 +66,7 @@ def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, rep
         for _ in range(WARMUP_RUNS_PER_SUBMIT):  # the GPU stays busy between host round trips
             encode(enc, None)
         dev.queue.submit([enc.finish()])
-        wait_idle(dev, wait_buf)
+        wait_queue(ctx)
     use_ts = "timestamp-query" in ctx.features
     bufs = []
     times = []
@@ -99,7 +91,7 @@ def median_time(ctx: Any, encode: Callable[[Any, Any], None], wait_buf: Any, rep
                 rb.unmap()
                 dt = (b - a) * ctx.ns_per_tick * 1e-9
             else:
-                wait_idle(dev, wait_buf)
+                wait_queue(ctx)
                 dt = time.perf_counter() - t0
             if i:  # the first run warms up
                 times.append(dt)
@@ -135,7 +127,7 @@ def copy_bandwidth(ctx: Any, nbytes: int, repeat: int = 10) -> dict:
                     enc.begin_compute_pass(
                         timestamp_writes={"query_set": qset, "beginning_of_pass_write_index": 1}).end()
 
-            t, timer = median_time(ctx, encode, dst, repeat)
+            t, timer = median_time(ctx, encode, repeat)
     finally:
         destroy_all(bufs)
     return dict(bytes_per_s=2.0 * n / t if t > 0 else float("nan"), copy_s=t, copy_bytes=n, timer=timer)
@@ -168,7 +160,7 @@ def read_bandwidth(ctx: Any, nbytes: int, repeat: int = 10, workgroups: int = 40
                 {"binding": 0, "resource": {"buffer": params}},
                 {"binding": 1, "resource": {"buffer": src}},
                 {"binding": 2, "resource": {"buffer": sink}}])
-            t, timer = median_time(ctx, one_dispatch(pipe, bg, groups), sink, repeat, warmup_s)
+            t, timer = median_time(ctx, one_dispatch(pipe, bg, groups), repeat, warmup_s)
     finally:
         destroy_all(bufs)
     return dict(bytes_per_s=n / t if t > 0 else float("nan"), read_s=t, read_bytes=n, timer=timer)
@@ -347,7 +339,7 @@ def matmul_variants(ctx: Any, m: int = 4096, n: int | None = None, k: int | None
                 # the previous variant's product must not pass for this one's
                 for r in rows:
                     dev.queue.write_buffer(cb, int(r) * n * 4, np.full(n, np.nan, np.float32))
-                t, timer = median_time(ctx, one_dispatch(pipe, bg, n // bn, m // bm), cb, repeat, warmup_s)
+                t, timer = median_time(ctx, one_dispatch(pipe, bg, n // bn, m // bm), repeat, warmup_s)
                 c = np.stack([np.frombuffer(dev.queue.read_buffer(cb, int(r) * n * 4, n * 4), np.float32)
                               for r in rows]).astype(np.float64)
                 diff = np.abs(c - ref)

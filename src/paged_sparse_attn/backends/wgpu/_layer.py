@@ -35,7 +35,7 @@ from ._device import PipelineCache, after_device_error, destroy_all, device_erro
 from ._kernels import pipeline
 from ._record import recorder
 from ._tensors import CallResult, error_message, lse_from_ml
-from ._transfer import map_read
+from ._transfer import map_read, read_ranges
 from ._webgpu import BufferUsage, QueryType
 
 __all__ = ["DeviceRuntime"]
@@ -277,28 +277,11 @@ class DeviceRuntime:
                                              | BufferUsage.COPY_DST, label="results")
 
     def _read_results(self, buf, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
-        """Byte ranges of a device call's result buffer, through the plan's mapped readback
-        buffer: one submit of the copies, one map, each range copied once into a new array."""
+        """Byte ranges of a device call's result buffer, through the plan's mapped readback buffer
+        (``read_ranges``: one submission, one map, each range copied once)."""
         self._live()
-        dev = self.ctx.device
-        total = sum(n for _, n in ranges)
-        with device_errors("readback of results", bytes=total):
-            enc = dev.create_command_encoder(label="paged_sparse_attn.readback")
-            at = 0
-            for off, n in ranges:
-                enc.copy_buffer_to_buffer(buf, off, self.rb, at, n)
-                at += n
-            dev.queue.submit([enc.finish()])
-            try:
-                mapped = np.frombuffer(map_read(self.rb, total), dtype=np.uint8)
-                out, at = [], 0
-                for _, n in ranges:
-                    out.append(mapped[at:at + n].copy())
-                    at += n
-                return out
-            finally:
-                if self.rb.map_state != "unmapped":
-                    self.rb.unmap()
+        with device_errors("readback of results", bytes=sum(n for _, n in ranges)):
+            return read_ranges(self.ctx.device, buf, ranges, self.rb)
 
     def _recycle(self, buf) -> None:
         """Take back the buffer of results nobody refers to (kept for the next calls, up to 8)."""

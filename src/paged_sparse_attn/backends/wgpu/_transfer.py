@@ -22,7 +22,7 @@ import numpy as np
 from ._device import destroy_all
 from ._webgpu import BufferUsage, MapMode
 
-__all__ = ["CallBuffers", "bind_group", "map_read", "wait_queue"]
+__all__ = ["CallBuffers", "bind_group", "map_read", "read_ranges", "wait_queue"]
 
 ALIGN = 256  # pooled sizes are rounded up to this (and grown by 1.5x) so that small growth reuses
 
@@ -110,6 +110,30 @@ def map_read(buf, nbytes: int) -> memoryview:
 
         buf.map_sync(MapMode.READ, 0, nbytes)
     return buf.read_mapped(0, nbytes, copy=False)
+
+
+def read_ranges(device: Any, src: Any, ranges: list[tuple[int, int]], rb: Any) -> list[np.ndarray]:
+    """Byte ranges ``(offset, nbytes)`` of buffer ``src`` (COPY_SRC; offsets and sizes whole
+    4-byte words) as new uint8 arrays: the ranges are copied one after another into the mappable
+    buffer ``rb`` in one submission, ``rb`` is mapped once (which waits for the work that writes
+    ``src``) and each range copied once out of it. ``rb`` is left unmapped."""
+    total = sum(n for _, n in ranges)
+    enc = device.create_command_encoder(label="paged_sparse_attn.readback")
+    at = 0
+    for off, n in ranges:
+        enc.copy_buffer_to_buffer(src, off, rb, at, n)
+        at += n
+    device.queue.submit([enc.finish()])
+    try:
+        mapped = np.frombuffer(map_read(rb, total), dtype=np.uint8)
+        out, at = [], 0
+        for _, n in ranges:
+            out.append(mapped[at:at + n].copy())
+            at += n
+        return out
+    finally:
+        if rb.map_state != "unmapped":
+            rb.unmap()
 
 
 def wait_queue(ctx: Any) -> None:

@@ -60,7 +60,7 @@ from ._runtime import DAWN, WGPU_NATIVE, Runtime
 from ._sgmat import choose_sgmat_geometry, sgmat_ineligible
 from ._tensors import WgpuTensor, lse_from_ml
 from ._tensors import upload as upload_tensor
-from ._transfer import CallBuffers, bind_group, map_read, wait_queue
+from ._transfer import CallBuffers, bind_group, read_ranges, wait_queue
 from ._webgpu import BufferUsage, QueryType
 
 __all__ = ["DawnBackend", "WgpuArray", "WgpuBackend", "WgpuTensor"]
@@ -408,13 +408,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             rb = dev.create_buffer(size=max(16, words), usage=BufferUsage.MAP_READ | BufferUsage.COPY_DST,
                                    label="readback")
             try:
-                enc = dev.create_command_encoder(label="paged_sparse_attn.readback")
-                enc.copy_buffer_to_buffer(buf, offset, rb, 0, words)
-                dev.queue.submit([enc.finish()])
-                return np.frombuffer(map_read(rb, words), dtype=np.uint8)[:nbytes].copy()
+                return read_ranges(dev, buf, [(offset, words)], rb)[0][:nbytes]
             finally:
-                if rb.map_state != "unmapped":
-                    rb.unmap()
                 rb.destroy()
 
     # --- the forward pipeline ----------------------------------------------------------------------
