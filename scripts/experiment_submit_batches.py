@@ -16,26 +16,18 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _layer_inputs import layer_inputs
+from _layer_inputs import decode_calls, layer_inputs, on_device
 
 from paged_sparse_attn import registry
-from paged_sparse_attn.bench.layer import _plan
 
 
 def run(name: str, lw, prob, iqs, ik, res: dict) -> None:
-    be = registry.get_backend(name)
-    kd, vd = be.upload_kv_cache(prob["k_cache"], prob["v_cache"])
-    ikd = be.upload_index_cache(ik)
-    plan = _plan(be, lw, prob)
-    rng = np.random.default_rng(2)
-    qd = [be.asarray(rng.standard_normal(prob["q"].shape, dtype=np.float32)) for _ in range(32)]
-    iqd = [be.asarray(x) for x in iqs]
-    sd = be.asarray(prob["selected"])
+    d = on_device(registry.get_backend(name), lw, prob, iqs, ik)
+    be, plan = d.be, d.plan
     queue = be.device_context.device.queue
     orig = queue.submit
     pending: list = []
-    calls = {"attention": lambda i: plan.run(qd[i % 32], kd, vd, sd),
-             "layer": lambda i: plan.run_sparse(qd[i % 32], kd, vd, iqd[i % 2], ikd)}
+    calls = decode_calls(d)
 
     def flush() -> None:
         if pending:

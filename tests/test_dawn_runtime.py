@@ -27,7 +27,7 @@ def test_instance_toggles_reach_the_device(null_adapter):
     got = _toggles(dev)
     assert set(DAWN.instance_toggles) <= got  # subgroup matrices and f16 on NVIDIA unlocked
     assert not set(DAWN.device_toggles) & got  # timestamp quantization off
-    assert "disable_robustness" not in got  # bounds checks stay on by default
+    assert "disable_robustness" not in got  # (asked for by DawnBackend, not by the runtime)
     dev.destroy()
 
 
@@ -65,12 +65,23 @@ def test_no_subgroup_matrix_configurations_without_the_feature(null_adapter):
 
 
 def test_backend_says_whether_its_bounds_checks_are_on(monkeypatch):
-    """``DawnBackend.robustness`` is what the bench reads to add its unchecked GEMM ceiling: it
-    must follow the option and map to the device toggle (the shared constructor, which probes
-    for a GPU, is left out: no adapter is needed for this)."""
+    """``DawnBackend.robustness`` follows the option, maps to the device toggle and is what the
+    bench reads to add its checked GEMM ceiling. By default the checks are off exactly while every
+    kernel of the table is trusted and ``runtime_checks`` is not asked for (the shared
+    constructor, which probes for a GPU, is left out: no adapter is needed for this)."""
+    from paged_sparse_attn.backends.wgpu import _kernels
     from paged_sparse_attn.backends.wgpu.backend import DawnBackend, WgpuBackend
 
     monkeypatch.setattr(WgpuBackend, "__init__", lambda self, **options: None)
-    on, off = DawnBackend(), DawnBackend(robustness=False)
+    assert _kernels.all_trusted()
+    default, on, off = DawnBackend(), DawnBackend(robustness=True), DawnBackend(robustness=False)
+    assert default.robustness is False and default._device_toggles == ("disable_robustness",)
     assert on.robustness is True and on._device_toggles == ()
     assert off.robustness is False and off._device_toggles == ("disable_robustness",)
+    assert DawnBackend(runtime_checks=True).robustness is True
+    # one kernel that is not trusted keeps the whole device checked
+    table = dict(_kernels.KERNEL_TABLE)
+    table["psa_invert.wgsl"] = _kernels.Kernel(table["psa_invert.wgsl"].bindings)
+    monkeypatch.setattr(_kernels, "KERNEL_TABLE", table)
+    assert not _kernels.all_trusted()
+    assert DawnBackend().robustness is True and DawnBackend()._device_toggles == ()

@@ -112,6 +112,39 @@ def test_R32_device_results_written_in_place_or_copied_equal_host_results(WgpuBa
 
 
 @pytest.mark.parametrize("B", [3, 4])  # results copied into their buffer (B = 3) or written there (4)
+def test_R31_decode_error_words_belong_to_their_call(WgpuBackend, B):
+    """Decode calls start from zeroed R6 error words without a clear: the combine hands each
+    call's words over and zeroes them (psa_merge.wgsl ERRORS). A violating call raises at its
+    readback however many valid calls surround it, and never any valid call, held or read later;
+    also after the inversion alone (kvouter_index) raised on it."""
+    be = WgpuBackend()
+    c = _decode(6, B=B)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = _plan(be, c)
+    bad_sel = c["sel"].copy()
+    bad_sel[1, 0, :2] = (0, 0)  # a repeated id (R6)
+    good, bad = be.asarray(c["sel"]), be.asarray(bad_sel)
+    want = [plan.run(q, kd, vd, c["sel"], return_lse=True) for q in c["qs"][:4]]
+    sels = [good, bad, good, bad, bad, good, good]
+    res = [plan.run(be.asarray(c["qs"][i % 4]), kd, vd, s, return_lse=True) for i, s in enumerate(sels)]
+    for i, (s, r) in enumerate(zip(sels, res)):
+        if s is bad:
+            with pytest.raises(psa.SpecError, match=r"\[R6\]"):
+                r[0].numpy()
+        else:
+            np.testing.assert_array_equal(r[0].numpy(), want[i % 4][0])
+            np.testing.assert_array_equal(r[1].numpy(), want[i % 4][1])
+    with pytest.raises(psa.SpecError, match=r"\[R6\]"):  # host results: the call reads its own words
+        plan.run(c["qs"][0], kd, vd, bad)
+    np.testing.assert_array_equal(plan.run(c["qs"][1], kd, vd, good), want[1][0])
+    with pytest.raises(psa.SpecError, match=r"\[R6\]"):
+        plan.kvouter_index(bad)
+    np.testing.assert_array_equal(plan.run(be.asarray(c["qs"][2]), kd, vd, good).numpy(), want[2][0])
+    plan.close()
+    be.close()
+
+
+@pytest.mark.parametrize("B", [3, 4])  # results copied into their buffer (B = 3) or written there (4)
 def test_R32_a_model_step_of_many_layers_makes_no_bind_groups_once_warm(WgpuBackend, B):
     """Each layer brings its own queries: a plan must keep a bind group per layer's tensors (a
     cache of 32 made new ones on every layer of a 32-layer loop: 1.5-2 x the host time)."""

@@ -137,17 +137,18 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
             say(f"{be.name}: subgroup-matrix matmul rate")
             result["ceilings"][f"{be.name} matmul FLOP/s"] = be.matmul_rate(1024 if quick else 4096)
             result["ceilings"][f"{be.name} matmul"] = dict(be.last_timings)
-            if getattr(be, "robustness", False):
-                # the same GEMM variants on a device without Dawn's bounds checks: what the checks
-                # cost the tensor cores (the attention kernels keep them by default)
-                say(f"{be.name}: subgroup-matrix matmul rate without bounds checks")
-                unchecked = type(be)(robustness=False)
+            if hasattr(be, "robustness"):
+                # the same GEMM variants with Dawn's bounds checks toggled: what the checks cost
+                # the tensor cores (the backend runs without them by default: trusted kernels)
+                other = not be.robustness
+                label = "with bounds checks" if other else "no bounds checks"
+                say(f"{be.name}: subgroup-matrix matmul rate {label}")
+                twin = type(be)(robustness=other)
                 try:
-                    result["ceilings"][f"{be.name} matmul FLOP/s, no bounds checks"] = unchecked.matmul_rate(
-                        1024 if quick else 4096)
-                    result["ceilings"][f"{be.name} matmul, no bounds checks"] = dict(unchecked.last_timings)
+                    result["ceilings"][f"{be.name} matmul FLOP/s, {label}"] = twin.matmul_rate(1024 if quick else 4096)
+                    result["ceilings"][f"{be.name} matmul, {label}"] = dict(twin.last_timings)
                 finally:
-                    unchecked.close()
+                    twin.close()
     if t_ok:
         say("torch: copy bandwidth")
         result["ceilings"]["torch copy bytes/s"] = copy_bandwidth(1 << (24 if quick else 31))

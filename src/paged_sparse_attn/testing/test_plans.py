@@ -144,6 +144,13 @@ def test_R31_a_device_selection_that_breaks_R6_raises_when_results_reach_the_hos
         out.numpy()
     with pytest.raises(psa.SpecError, match=r"\[R6\]"):  # host q: the call itself reads the results
         plan.run(p.q, k, v, backend.asarray(sel))
+    with pytest.raises(psa.SpecError, match=r"\[R6\]"):  # the inversion alone (R33) checks it too
+        plan.kvouter_index(backend.asarray(sel))
+    # a violation belongs to its call: the same plan's next calls on a valid selection read fine
+    q32 = p.q.astype(np.float32)
+    want = plan.run(q32, k, v, p.selected, return_lse=True)
+    got = plan.run(backend.asarray(q32), k, v, backend.asarray(p.selected), return_lse=True)
+    assert _bits([x.numpy() for x in got], want), "R31: a valid call after a violation differs or raised"
 
 
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1), d_idx=st.sampled_from([4, 8, 3]),

@@ -3,8 +3,12 @@
 Each WGSL file of ``shaders/`` that the backend dispatches has a row: its bindings (in binding
 order: ``u`` uniform, ``r`` read-only storage, ``w`` read-write storage), whether it has a
 float16 variant (``alias kv_t``), and whether it may be compiled without runtime checks (only
-kernels whose every index the host or a checking kernel proves in range). Pipelines are cached
+kernels whose every index the host or the kernel itself proves in range). Pipelines are cached
 per device by (kernel, entry point, float16, checks, override constants).
+
+Every kernel is trusted today, so both runtimes run them without checks by default: ``wgpu``
+compiles each trusted kernel without naga's checks, ``dawn`` opens its device without its
+bounds checks (which it applies to every kernel or none) only while ``all_trusted()`` holds.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from ._device import DeviceContext, create_shader_module, device_errors
 from ._shaders import shader_source
 from ._webgpu import BufferBindingType, ShaderStage
 
-__all__ = ["KERNEL_TABLE", "SGMAT_SHAPE", "Kernel", "kernel_source", "pipeline"]
+__all__ = ["KERNEL_TABLE", "SGMAT_SHAPE", "Kernel", "all_trusted", "kernel_source", "pipeline"]
 
 SGMAT_SHAPE = (16, 16, 16)
 """The subgroup-matrix configuration (M, N, K; f16 x f16 -> f32) the tensor-core kernels use."""
@@ -40,9 +44,12 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_partials_decode.wgsl": Kernel("urrrrww", trusted=True, subgroups=True),  # caches as 16-byte units, any dtype
     "psa_partials_sgmat.wgsl": Kernel("urrrrww", trusted=True, sgmat=True),  # float16 caches, tensor cores
     "psa_merge.wgsl": Kernel("urrrww", trusted=True),
-    # the KV-outer inversion on the device (R13, R31, R33)
-    "psa_invert.wgsl": Kernel("urrwrwwww"),
-    "psa_scan.wgsl": Kernel("urw"),
+    # the KV-outer inversion on the device (R13, R31, R33): it tests every id of a device
+    # selection against [-1, msb) and the query's visible blocks before the id indexes anything,
+    # and a row keeps at most K edges in its own ranges (repeated ids reported, R6); the rest of
+    # its indexes come from the validated layout and the scan of its own flags
+    "psa_invert.wgsl": Kernel("urrwrwwww", trusted=True),
+    "psa_scan.wgsl": Kernel("urw", trusted=True),
     # the index branch (R22, R24); its indexes come from validated index arrays and block tables
     # and the host's plan, like the attention kernels'
     "psa_block_scores.wgsl": Kernel("urrrrw", f16=True, trusted=True, subgroups=True),
@@ -50,10 +57,16 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_block_scores_decode_sg.wgsl": Kernel("urrrrw", trusted=True, subgroups=True),  # index keys as 16-byte units
     "psa_block_scores_sgmat.wgsl": Kernel("urrrrw", trusted=True, sgmat=True),  # float16 HND index keys, tensor cores
     "psa_select_topk.wgsl": Kernel("urrw", trusted=True),
-    # ceilings the benchmark measures (no attention kernel)
-    "psa_gemm_sgmat.wgsl": Kernel("urrw", sgmat=True),
-    "psa_gemm_sgmat_tiled.wgsl": Kernel("urrw", sgmat=True),  # operands staged in workgroup memory
+    # ceilings the benchmark measures (no attention kernel); the host runs them only on shapes
+    # that are whole blocks of the variant (the variant's ``unfit`` in ``_ceilings``)
+    "psa_gemm_sgmat.wgsl": Kernel("urrw", trusted=True, sgmat=True),
+    "psa_gemm_sgmat_tiled.wgsl": Kernel("urrw", trusted=True, sgmat=True),  # operands staged in workgroup memory
 }
+
+
+def all_trusted() -> bool:
+    """Whether every kernel of the table may run without runtime checks (``dawn``'s default)."""
+    return all(k.trusted for k in KERNEL_TABLE.values())
 
 
 def kernel_source(ctx: DeviceContext, kernel: str, *, f16: bool = False) -> str:

@@ -32,7 +32,6 @@ from ..._layout import BatchLayout
 from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
-from ._kernels import pipeline
 from ._record import recorder
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read, read_ranges
@@ -212,9 +211,9 @@ class DeviceRuntime:
 
         # pipelines and bind groups
         cst = {"WG": INV_WG, "DECODE": int(decode), "TILE": TILE}
-        self.p_inv = {e: pipeline(ctx, INVERT, cst, entry=e)
+        self.p_inv = {e: be._pipeline(INVERT, False, cst, entry=e)
                       for e in (["mark", "scatter", "finalize"] + (["direct"] if decode else ["item_flags", "items"]))}
-        self.p_scan = {e: pipeline(ctx, SCAN, {"WG": SCAN_WG}, entry=e) for e in ("tiles", "totals")}
+        self.p_scan = {e: be._pipeline(SCAN, False, {"WG": SCAN_WG}, entry=e) for e in ("tiles", "totals")}
         f16 = itemsize == 2
         # R34: an NHD cache interleaves the rows of its Hkv heads per page (what CacheLayout.make
         # gives the resident caches this plan reads; they are checked to be in the plan's layout)

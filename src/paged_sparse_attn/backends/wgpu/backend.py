@@ -44,7 +44,7 @@ from ._device import (
     subgroup_size,
 )
 from ._index_branch import IndexBranchMixin
-from ._kernels import pipeline
+from ._kernels import all_trusted, pipeline
 from ._plan import (
     BatchPlan,
     Geometry,
@@ -146,13 +146,14 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
         of kernels and tiles chosen from the batch layout (the decode kernels). Off by default:
         it costs decode speed (see the backend's page). Declared in ``capabilities``.
     runtime_checks : bool
-        Compile the attention kernels (partials, merge) and the index-branch kernels (block
-        scores, top-k) with naga's runtime checks (every index clamped, every loop bounded).
-        Default ``False``: those kernels only index with values the host has validated and
-        planned (R1-R8, R21-R23 and the plans' own checks), so the checks cost time (1.3 to 2
-        times on the H200; the prefill block scores 12.8 against 8.4 ms) and protect nothing;
-        ``True`` is for debugging a kernel change. The KV-outer inversion, which reads
-        device-resident selections (R31), always keeps the checks.
+        Compile the kernels with the runtime's checks (naga: every index clamped, every loop
+        bounded; on ``dawn`` the device's bounds checks, see :class:`DawnBackend`). Default
+        ``False``: every kernel of the table (``_kernels.KERNEL_TABLE``, all marked trusted) only
+        indexes with values the host has validated and planned (R1-R8, R21-R23 and the plans' own
+        checks) or that it has range-checked itself (the KV-outer inversion tests every id of a
+        device-resident selection before using it, R31), so the checks cost time (1.3 to 2 times
+        on the H200; the prefill block scores 12.8 against 8.4 ms) and protect nothing; ``True``
+        is for debugging a kernel change.
 
     Thread safety: every call on one instance (forward, uploads, page updates, readbacks, release
     of resident arrays, close) holds the instance's lock, so one instance may be shared by threads;
@@ -162,7 +163,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     name: ClassVar[str] = "wgpu"
     runtime: ClassVar[Runtime] = WGPU_NATIVE  # the WebGPU implementation (wgpu-native; Dawn: DawnBackend)
-    _device_toggles: tuple[str, ...] = ()  # device toggles to enable (Dawn: DawnBackend(robustness=False))
+    _device_toggles: tuple[str, ...] = ()  # device toggles to enable (Dawn: disable_robustness unless DawnBackend(robustness=True))
     _probe_cache: ClassVar[Availability | None] = None
 
     def __init__(self, *, power_preference: str = "high-performance", required_limits: Any = "adapter",
@@ -347,10 +348,10 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
     # --- pipelines ---------------------------------------------------------------------------------
 
-    def _pipeline(self, kernel: str, f16: bool, constants: dict[str, int]):
-        """A pipeline of the kernel table (``_kernels``); attention kernels without runtime checks
-        unless ``runtime_checks=True``."""
-        return pipeline(self._device(), kernel, constants, f16=f16, checks=self._runtime_checks)
+    def _pipeline(self, kernel: str, f16: bool, constants: dict[str, int], entry: str = "main"):
+        """A pipeline of the kernel table (``_kernels``); the table's trusted kernels without
+        runtime checks unless ``runtime_checks=True``."""
+        return pipeline(self._device(), kernel, constants, entry=entry, f16=f16, checks=self._runtime_checks)
 
     # --- plans and device arrays (R30, R32) -------------------------------------------------------
 
@@ -801,8 +802,8 @@ class DawnBackend(WgpuBackend):
 
     Takes every option of :class:`WgpuBackend`. What Dawn adds: the subgroup-matrix feature
     (tensor cores from WGSL) on devices that have it, lower host cost per call. What it lacks:
-    shader modules without runtime checks (``runtime_checks`` has no effect: Dawn keeps its
-    bounds checks), and Mesa's lavapipe CPU driver (Dawn needs a GPU driver). The instance
+    shader modules without runtime checks one by one (Dawn's bounds checks are on or off for the
+    whole device: ``robustness`` below), and Mesa's lavapipe CPU driver (Dawn needs a GPU driver). The instance
     toggles ``allow_unsafe_apis`` (subgroup matrices) and ``vulkan_enable_f16_on_nvidia`` (float16
     on NVIDIA's Vulkan driver) are set before the process's first Dawn adapter request; if the
     process created Dawn's instance earlier, the features those toggles unlock may be missing,
@@ -813,14 +814,18 @@ class DawnBackend(WgpuBackend):
     runtime: ClassVar[Runtime] = DAWN
     _probe_cache: ClassVar[Availability | None] = None
 
-    def __init__(self, *, robustness: bool = True, **options: Any):
-        """``robustness=False`` opens the device with Dawn's ``disable_robustness`` toggle: no
-        bounds checks in any kernel (on wgpu only the kernels the table marks trusted drop them).
-        Measured on an H200: the prefill partials 7.4 against 12.4 ms (tensor-core kernel) and
-        17.0 against 20.3 ms (FMA kernel). An out-of-range access is then undefined behaviour:
-        the kernels index only with validated and planned values and check device-resident
-        selections themselves (R31), but the checks are what protects against a kernel bug.
-        Every other option is :class:`WgpuBackend`'s."""
+    def __init__(self, *, robustness: bool | None = None, **options: Any):
+        """``robustness``: Dawn's bounds checks (every index clamped, every loop guarded), which
+        Dawn applies to all kernels of a device or none (its device toggle ``disable_robustness``).
+        Default ``None``: off, as ``wgpu`` compiles its kernels without runtime checks, when every
+        kernel of the table is trusted (``_kernels.all_trusted()``) and ``runtime_checks`` is not
+        set; else on. ``True`` keeps them (for debugging a kernel change), ``False`` drops them.
+        Measured on an H200 (GPU timestamps): the prefill tensor-core partials 10.0 against 8.0
+        ms, the decode partials 103.0 against 92.8 us, the tensor-core GEMM 111 against 238
+        TFLOP/s. An out-of-range access without them is undefined behaviour, which is why only
+        trusted kernels run so. Every other option is :class:`WgpuBackend`'s."""
+        if robustness is None:
+            robustness = bool(options.get("runtime_checks", False)) or not all_trusted()
         self.robustness = bool(robustness)
         self._device_toggles = () if robustness else ("disable_robustness",)
         super().__init__(**options)
