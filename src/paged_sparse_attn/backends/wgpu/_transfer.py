@@ -152,14 +152,7 @@ def wait_queue(ctx: Any) -> None:
                             dev.create_buffer(size=16, usage=BufferUsage.MAP_READ | BufferUsage.COPY_DST,
                                               label="sync.rb"))
     src, rb = ctx.sync_buffers
-    enc = dev.create_command_encoder(label="paged_sparse_attn.synchronize")
-    enc.copy_buffer_to_buffer(src, 0, rb, 0, 4)
-    dev.queue.submit([enc.finish()])
-    try:
-        map_read(rb, 4)
-    finally:
-        if rb.map_state != "unmapped":
-            rb.unmap()
+    read_ranges(dev, src, [(0, 4)], rb)
 
 
 # wgpu-py maps in READ mode only after submitting an empty command buffer (a workaround for maps

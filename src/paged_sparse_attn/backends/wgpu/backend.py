@@ -272,8 +272,9 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
 
         Copies nothing back and checks no device-resident selection (R31 raises at the first
         readback of a result). A closed backend has nothing to wait for (no device is opened).
-        A pipelined loop of device-resident calls ends with this rather than a ``.numpy()`` when it only needs the work done: on an H200 a prefill layer's
-        64 MiB ``out`` takes longer to read back than the layer to compute.
+        A pipelined loop of device-resident calls ends with this rather than a ``.numpy()`` when
+        it only needs the work done: on an H200 a prefill layer's 64 MiB ``out`` takes longer to
+        read back than the layer to compute.
         """
         with self._lock:
             ctx = self._ctx
