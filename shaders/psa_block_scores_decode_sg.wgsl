@@ -49,6 +49,9 @@
 //   WG  workgroup size: a multiple of R and of SG
 //   PF  1: the next chunk's loads in flight during a chunk (more registers per lane)
 //   JR  1: a chunk's logits reduce-scattered together (needs R = 16 and NR = 4)
+//   ONCE 1: every (row, block) key of `out` belongs to exactly one work item of the dispatch (the
+//        host proves it from its items: a device-resident decode layer): the item stores its
+//        maxima instead of merging them into `out`, which then needs no clearing first
 
 override DV: u32;
 override S: u32;
@@ -62,6 +65,7 @@ override SG: u32 = 32u;
 override WG: u32 = 128u;
 override PF: u32 = 0u;               // 1: the next chunk's loads in flight during a chunk
 override JR: u32 = 0u;               // 1: a chunk's 4 x 4 logits reduce-scattered together (R = 16, NR = 4)
+override ONCE: u32 = 0u;             // 1: each key of `out` has exactly one item: stored, not merged
 override NGRP: u32 = WG / R;         // key groups per workgroup
 const INVALID: u32 = 0xffffffffu;
 const NAN_KEY: u32 = 0xffffffffu;
@@ -356,6 +360,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (lid < n_rows) {
         let rr = r0 + lid;
         let o = ((t0 + rr / nh) * params.heads + h_off + rr % nh) * params.msb + s;
-        out[o] = max(out[o], atomicLoad(&red[lid]));
+        if (ONCE == 1u) {
+            out[o] = atomicLoad(&red[lid]);
+        } else {
+            out[o] = max(out[o], atomicLoad(&red[lid]));
+        }
     }
 }

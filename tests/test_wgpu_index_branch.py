@@ -472,6 +472,59 @@ def test_R25_wgpu_planned_decode_layer_equals_sparse_attention(WgpuBackend, time
         plan.close()
 
 
+@pytest.mark.parametrize("full", [True, False])
+def test_R25_wgpu_decode_layer_stores_each_score_once_and_keeps_no_old_scores(WgpuBackend, full):
+    """A decode layer whose block-score items hold every score key once stores the keys without
+    clearing the scores first (the key-group kernel's ONCE); layers with other index queries, run
+    back to back on one plan with the index queries bound where they are, give the bits of
+    sparse_attention for their own inputs (an old key kept would change a selection). Lengths
+    that leave blocks without an item keep the clear and the merge."""
+    B, msb, BS = 4, 5, 4
+    lens = [msb * BS] * B if full else [msb * BS, 7, msb * BS, 13]
+    c = make_case(45, B=B, S=2, ppb=2, msb=msb, Hkv=2, G=2, d=16, T=[1] * B, lens=lens, holes=0.0,
+                  extra_cols=0)
+    be = WgpuBackend(required_limits="default")
+    kd, vd = be.upload_kv_cache(c["k_cache"], c["v_cache"])
+    ikd = be.upload_index_cache(c["index_k_cache"])
+    plan = psa.plan_attention(c["block_tables"], c["cu_seqlens_q"], c["used_kv_lens"], block_size=BS,
+                              page_size=2, num_q_heads=4, num_kv_heads=2, head_dim=8, kv_dtype=np.float32, topk=2,
+                              causal=True, index_dim=16, num_index_heads=1, backend=be)
+    rng = np.random.default_rng(3)
+    iqs = [rng.standard_normal(c["index_q"].shape).astype(np.float32) * s for s in (1.0, -3.0, 0.5, 1.0)]
+    iqs[3][:, :, :] = 0.0  # every score 0: ties everywhere, the lowest ids win (R24)
+    try:
+        outs = [plan.run_sparse(be.asarray(c["q"]), kd, vd, be.asarray(iq), ikd) for iq in iqs]
+        assert _decode_score_kernels(be) == {"psa_block_scores_decode_sg.wgsl"}
+        assert plan._runtime.sparse.once is full
+        for iq, o in zip(iqs, outs):
+            want = sparse_attention(c["q"], c["k_cache"], c["v_cache"], iq, c["index_k_cache"], c["block_tables"],
+                                    c["cu_seqlens_q"], used_kv_lens=c["used_kv_lens"], block_size=BS, topk=2,
+                                    backend=be)
+            assert np.array_equal(o.numpy(), want, equal_nan=True)
+    finally:
+        plan.close()
+
+
+def test_R25_score_items_cover_each_key_once_only_when_they_do():
+    """The host's proof behind the ONCE store: every (t, h, s) key of the scores exactly once."""
+    from paged_sparse_attn.backends.wgpu._layer import covers_once
+
+    # items (t0, r0, n_rows, nh, h_off, pages, npos, s): 2 queries x 2 heads (one item per query
+    # and block, rows = heads) x 3 blocks
+    items = np.array([[t, 0, 2, 2, 0, 0, 4, s] for t in range(2) for s in range(3)], np.int64)
+    assert covers_once(items, 2, 2, 3)
+    assert not covers_once(items[:-1], 2, 2, 3)  # a key without an item
+    dup = items.copy()
+    dup[-1, 7] = 0  # a key twice, another none
+    assert not covers_once(dup, 2, 2, 3)
+    half = np.concatenate([items, items])
+    half[:, 2] = 1
+    half[len(items):, 1] = 1  # rows split over two items each: still once
+    assert covers_once(half, 2, 2, 3)
+    assert not covers_once(items, 2, 2, 4)  # a block of the buffer no item holds
+    assert not covers_once(np.zeros((0, 8), np.int64), 0, 2, 3)
+
+
 def test_R22_score_keys_decode_to_the_floats_they_encode():
     """The host's decoding of block-score keys inverts the kernels' encoding bit for bit: every
     float32 (both zeros, subnormals, the extremes, infinities) comes back with its bits, 0 (nothing

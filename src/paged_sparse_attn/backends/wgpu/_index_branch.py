@@ -441,6 +441,7 @@ class IndexBranchMixin:
 
         rows_per_seq = int(T.max(initial=1)) * (Hkv if Hk == 1 else 1)
         ipw = 1  # work items per workgroup
+        kernel = None  # (kernel, f16, constants) of the decode key-group pipeline, when it is the one
         f16 = np.dtype(ik.dtype).itemsize == 2
         DCV = 0
         if self._batch_invariant:  # R27: one kernel and one tile whatever the batch
@@ -451,8 +452,8 @@ class IndexBranchMixin:
         if rows_per_seq <= 8 and sg is not None:
             # decode, key rows read by groups of lanes of one subgroup (coalesced whole rows)
             RT = 8
-            pipe, bgl = self._ib_pipeline(SCORES_DECODE_SG, False, {**sg, "S": S, "BS": BS,
-                                                                     **layout.kernel_constants()})
+            kernel = (SCORES_DECODE_SG, False, {**sg, "S": S, "BS": BS, **layout.kernel_constants()})
+            pipe, bgl = self._ib_pipeline(*kernel)
         elif rows_per_seq <= 8 and 8 * DV * 16 + 32 <= ctx.workgroup_storage:
             # decode: items of at most 8 rows read their keys one row per invocation (measured on
             # the H200: 501 us with the tiled kernel's best stage for the decode layer's 8192 items)
@@ -513,7 +514,7 @@ class IndexBranchMixin:
             return [np.concatenate(x) if x else np.zeros((0, 8), np.int64) for x in per_chunk]
 
         return SimpleNamespace(ik=ik, resident=resident, layout=layout, starts=starts, nch=nch, pt=pt, DCV=DCV, DV=DV,
-                               f16=f16, pipe=pipe, bgl=bgl, step=step, plan=plan, qend=qend, ipw=ipw)
+                               f16=f16, pipe=pipe, bgl=bgl, step=step, plan=plan, qend=qend, ipw=ipw, kernel=kernel)
 
     def _block_scores_run(self, p, st) -> np.ndarray:
         Tq, Hkv, d = p.index_q.shape

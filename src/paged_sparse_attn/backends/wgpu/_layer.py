@@ -56,6 +56,27 @@ POOL = 8  # result buffers kept for reuse
 # for a 32-layer loop with results pooled: 1.5-2 x the host time per layer). A bind group of a
 # destroyed buffer holds no memory (destroy frees it); keys are buffer uids, never reused.
 PLAN_BIND_GROUPS = 512
+# a device-resident layer whose block-score items give every score key exactly one item (decode)
+# stores the keys (psa_block_scores_decode_sg.wgsl's ONCE) instead of clearing the scores and
+# merging into them
+SCORES_ONCE = True
+
+
+def covers_once(items: np.ndarray, Tq: int, Hkv: int, msb: int) -> bool:
+    """Whether block-score work items ``[n, 8]`` (``t0, r0, n_rows, nh, h_off, pages, npos, s``;
+    ``_index_branch``'s plan, one chunk) hold every key ``(t, h, s)`` of a ``[Tq, Hkv, msb]`` score
+    buffer exactly once: then each key is written by one item and none keeps an old value."""
+    n_rows = items[:, 2].astype(np.int64)
+    total = int(n_rows.sum())
+    if total != Tq * Hkv * msb or total == 0:
+        return False
+    it = np.repeat(items.astype(np.int64), n_rows, axis=0)
+    j = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(n_rows) - n_rows, n_rows)
+    r = it[:, 1] + j
+    t, h, s = it[:, 0] + r // it[:, 3], it[:, 4] + r % it[:, 3], it[:, 7]
+    if (t < 0).any() or (t >= Tq).any() or (h < 0).any() or (h >= Hkv).any() or (s < 0).any() or (s >= msb).any():
+        return False
+    return int(np.unique((t * Hkv + h) * msb + s).size) == total
 
 
 def _grid(n: int, maxdim: int) -> tuple[int, int]:
@@ -660,8 +681,12 @@ class DeviceRuntime:
         local = self._buffer(Tq * 4, U.STORAGE | U.COPY_DST, "local_block", sp.bufs)
         dev.queue.write_buffer(local, 0, local_blocks(L.cu_seqlens_q, L.used_kv_lens, L.block_size).astype(np.int32))
         records, calls = [], []
+        sp.once = False
         if st is not None:
             items = st.plan(0, Tq)[0]
+            # every score key written by exactly one item (decode): stored, and no clear first
+            sp.once = bool(SCORES_ONCE and st.kernel is not None and covers_once(items, Tq, Hkv, msb))
+            spipe = be._ib_pipeline(st.kernel[0], st.kernel[1], {**st.kernel[2], "ONCE": 1})[0] if sp.once else st.pipe
             pages = self._buffer(st.pt.nbytes, U.STORAGE | U.COPY_DST, "pages", sp.bufs)
             dev.queue.write_buffer(pages, 0, st.pt)
             words = np.concatenate([st.qend.astype(np.int32).view(np.uint32), items.astype(np.uint32).reshape(-1)])
@@ -670,7 +695,7 @@ class DeviceRuntime:
             kbuf = ik.buffers()[0]
             for f2, cnt, gx, gy in score_dispatches(items.shape[0], st.ipw, maxdim):
                 records.append(_record(f2, cnt, gx, Tq, Hkv, msb, float(p.softmax_scale), 0, int(st.starts[1])))
-                calls.append((st.pipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
+                calls.append((spipe, st.bgl, [sp.iq, kbuf, pages, splan, sp.scores], gx, gy))
         sp.n_score_calls = len(calls)
         entry, consts = topk_pipeline_args(ctx, True, msb, rows)
         tpipe, tbgl = be._ib_pipeline(TOPK, False, consts, entry)
@@ -685,10 +710,18 @@ class DeviceRuntime:
         consts[n + 1, :32] = self._inv_record(self.grids["edges"][0], K=k_out)
         cbuf = self._buffer(consts.nbytes, U.UNIFORM | U.COPY_DST, "score.consts", sp.bufs)
         dev.queue.write_buffer(cbuf, 0, consts)
-        sp.calls = []
-        for i, (pipe, bgl, res, gx, gy) in enumerate(calls):
-            entries = [{"buffer": cbuf, "offset": i * align, "size": SREC}] + [{"buffer": b} for b in res]
-            sp.calls.append((pipe, self._bg(bgl, entries), (gx, gy)))
+
+        def bind(iq):
+            """The index branch's dispatches reading the index queries from buffer ``iq``."""
+            out = []
+            for i, (pipe, bgl, res, gx, gy) in enumerate(calls):
+                res = [iq if b is sp.iq else b for b in res]
+                entries = [{"buffer": cbuf, "offset": i * align, "size": SREC}] + [{"buffer": b} for b in res]
+                out.append((pipe, self._bg(bgl, entries), (gx, gy)))
+            return out
+
+        sp.bind = bind
+        sp.calls = bind(sp.iq)
         bgl_inv = self.p_inv["mark"][1]
         sub = lambda i: [{"buffer": cbuf, "offset": i * align, "size": 128}] + self._inv_res(0)[1:]
         sp.groups = (self._bg(bgl_inv, sub(n)), self._bg(bgl_inv, sub(n + 1)))
@@ -697,18 +730,24 @@ class DeviceRuntime:
 
     def _encode_sparse(self, enc, q, k, v, sp, index_q, ik, bg_merge=None) -> None:
         L = self.layout
+        calls = sp.calls
         if isinstance(index_q, DeviceArray):
-            enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
+            if index_q.offset == 0:  # bound where it is (bind groups kept per buffer): no copy
+                buf = index_q.buffer()
+                calls = self._cached(("index_q", buf.uid), lambda: sp.bind(buf))
+            else:
+                enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
         else:
             iq = np.zeros((L.num_queries, L.num_kv_heads, sp.DV * 4), np.float32)
             iq[:, :, :L.index_dim] = index_q
             self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
-        enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
+        if not sp.once:
+            enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
         timed = self._ts(2) is not None
         if self.decode and not timed:
             enc.clear_buffer(self.args, 48, 16)  # (the attention's error words: its pass is this one)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(2))
-        for i, (pipe, bgroup, grid) in enumerate(sp.calls):  # block scores, then the top-k into the selection
+        for i, (pipe, bgroup, grid) in enumerate(calls):  # block scores, then the top-k into the selection
             if i == sp.n_score_calls and self._ts(3) is not None:  # timed: the top-k in a pass of its own
                 cp.end()
                 cp = enc.begin_compute_pass(timestamp_writes=self._ts(3))
