@@ -49,14 +49,15 @@ def register(tag: str, folder: Path | None) -> dict[str, str]:
 
 
 def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, ipw: int | None = None,
-            options: dict | None = None):
+            options: dict | None = None, nt: int | None = None):
     """(median scores s, median top-k s, output of one call) of one variant, on a fresh device."""
     from paged_sparse_attn import registry
 
     for attr, name in names.items():
         setattr(ib, attr, name)
-    orig_args, orig_ipw = ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW
+    orig_args, orig_ipw, orig_nt = ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW, ib.SGMAT_SCORES_NT
     ib.SGMAT_SCORES_IPW = orig_ipw if ipw is None else ipw
+    ib.SGMAT_SCORES_NT = orig_nt if nt is None else nt
     if "fn rank_rows" not in wv.SOURCES.get(names["TOPK"], "fn rank_rows"):  # a top-k from before that entry point
         ib.topk_pipeline_args = lambda ctx, keys, msb, rows: ("main", {**orig_args(ctx, keys, msb, rows)[1], "CAP": ib.topk_cap(ctx)})
     be = type(registry.get_backend(backend))(timestamps=True, **(options or {}))
@@ -77,7 +78,7 @@ def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, 
     finally:
         for k, v in ORIGINAL.items():
             setattr(ib, k, v)
-        ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW = orig_args, orig_ipw
+        ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW, ib.SGMAT_SCORES_NT = orig_args, orig_ipw, orig_nt
         be.close()
 
 
@@ -86,6 +87,8 @@ def main() -> int:
     wv.add_arguments(ap, rounds=4)
     ap.add_argument("--ipw", type=int, nargs="*", default=[],
                     help="also the working tree's kernels with these work items per workgroup (SGMAT_SCORES_IPW)")
+    ap.add_argument("--nt", type=int, nargs="*", default=[],
+                    help="also the working tree's kernels with these 16-position tiles per step (SGMAT_SCORES_NT)")
     add_arguments(ap)
     a = ap.parse_args()
     t0 = time.perf_counter()
@@ -93,16 +96,17 @@ def main() -> int:
     variants = []
     for i, v in enumerate(a.variant):
         label, folder = v.split("=", 1)
-        variants.append((label, register(f"v{i}", Path(folder)), None, None))
-    variants.append(("working tree", register("tree", None), None, None))
-    variants += [(f"working tree IPW={n}", register("tree", None), n, None) for n in a.ipw]
+        variants.append((label, register(f"v{i}", Path(folder)), None, None, None))
+    variants.append(("working tree", register("tree", None), None, None, None))
+    variants += [(f"working tree IPW={n}", register("tree", None), n, None, None) for n in a.ipw]
+    variants += [(f"working tree NT={n}", register("tree", None), None, None, n) for n in a.nt]
     if a.no_robustness:
-        variants.append(("no bounds checks", register("tree", None), None, {"robustness": False}))
+        variants.append(("no bounds checks", register("tree", None), None, {"robustness": False}, None))
     rows: dict[str, list] = {v[0]: [] for v in variants}
     first = None
     for r in range(a.rounds):
-        for label, names, ipw, options in variants:
-            s, k, out = measure(a.backend, names, prob, iqs, ik, lw, a.calls, ipw, options)
+        for label, names, ipw, options, nt in variants:
+            s, k, out = measure(a.backend, names, prob, iqs, ik, lw, a.calls, ipw, options, nt)
             same = "" if first is None else ("  same output" if np.array_equal(out, first, equal_nan=True)
                                              else "  OUTPUT DIFFERS")
             first = out if first is None else first

@@ -24,16 +24,21 @@
 // 3. Queries in registers. When an item's rows differ from the previous item's, the rows are
 //    staged one 16-row tile at a time (hi at qs[0 ..], lo at qs[QH ..], [row][dim], row stride
 //    HS = 16 ND + 8 halves; zeros past the item's rows) by the whole workgroup, and the tile's
-//    subgroup loads its ND hi and ND lo left matrices (h0 .. h7, l0 .. l7); they stay in
-//    registers for the item run.
+//    subgroup loads its ND hi and ND lo right-hand matrices (h0 .. h7, l0 .. l7: 16 dims x 16
+//    rows, column-major from the [row][dim] tile); they stay in registers for the item run.
 // 4. Keys straight from storage. A 16-position tile of a block lies in one page (S, BS multiples
-//    of 16), so its keys are 16 consecutive rows of one slab: each right matrix (16 dims x 16
-//    positions) is loaded column-major from `ik` (stride 4 DV halves). A tile whose page is
+//    of 16), so its keys are 16 consecutive rows of one slab: each left-hand matrix (16 positions
+//    x 16 dims, one key row per matrix row) is loaded row-major from `ik` (stride 4 DV halves).
+//    The keys are the left operand and the queries the right one, so the units compute S^T: on
+//    the H200 (Dawn) the prefill block scores took 3.10 ms so against 5.49 ms with the queries
+//    on the left and the keys loaded column-major as the right operand, the same bits
+//    (docs/benchmarks.md, 2026-12-02). A tile whose page is
 //    unmapped or in another chunk is not loaded (its accumulator stays zero, its positions are
 //    invisible). Positions past npos in a loaded page are read (whole slabs are bound) but only
 //    reach their own result column, which the fold never takes.
-// 5. Steps of NT tiles: acc = sum over the ND chunks of (hi . K^T + lo . K^T) (a fixed order,
-//    R19), stored to the subgroup's result buffer (two buffers per subgroup, alternating: one
+// 5. Steps of NT tiles: acc = sum over the ND chunks of (K . hi^T + K . lo^T) (a fixed order,
+//    R19: S^T, positions x rows), stored column-major, so as S ([row][position]), to the
+//    subgroup's result buffer (two buffers per subgroup, alternating: one
 //    barrier per step); lane l then folds row 16 sg + l / 2, positions l % 2 + 2 c (c = 0 .. 7;
 //    rows 8 .. 15 start one c later, so the 32 lanes read 32 banks at every c) of every tile:
 //    where visible (position < lim, the block's positions the row sees) it keeps the largest
@@ -253,10 +258,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let fr = 16u * sg + lane / 2u;  // fold: row of this lane
     let fh = 8u * (lane % 2u);      // and its 8 positions of each tile
 
-    var h0: Left; var h1: Left; var h2: Left; var h3: Left;
-    var h4: Left; var h5: Left; var h6: Left; var h7: Left;
-    var l0: Left; var l1: Left; var l2: Left; var l3: Left;
-    var l4: Left; var l5: Left; var l6: Left; var l7: Left;
+    var h0: Right; var h1: Right; var h2: Right; var h3: Right;
+    var h4: Right; var h5: Right; var h6: Right; var h7: Right;
+    var l0: Right; var l1: Right; var l2: Right; var l3: Right;
+    var l4: Right; var l5: Right; var l6: Right; var l7: Right;
     var prev = vec4<u32>(INVALID);   // (t0, r0, n_rows, nh) of the staged rows
     var prev_h = INVALID;            // and h_off
     var par = 0u;                    // result buffer of the next step
@@ -289,14 +294,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 stage_tile(i, lid, r0, n_rows, t0, nh, h_off);
                 workgroupBarrier();
                 if (sg == i) {
-                    if (ND > 0u) { h0 = subgroupMatrixLoad<Left, row_major>(&qs, 0u, HS); l0 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 0u, HS); }
-                    if (ND > 1u) { h1 = subgroupMatrixLoad<Left, row_major>(&qs, 16u, HS); l1 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 16u, HS); }
-                    if (ND > 2u) { h2 = subgroupMatrixLoad<Left, row_major>(&qs, 32u, HS); l2 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 32u, HS); }
-                    if (ND > 3u) { h3 = subgroupMatrixLoad<Left, row_major>(&qs, 48u, HS); l3 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 48u, HS); }
-                    if (ND > 4u) { h4 = subgroupMatrixLoad<Left, row_major>(&qs, 64u, HS); l4 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 64u, HS); }
-                    if (ND > 5u) { h5 = subgroupMatrixLoad<Left, row_major>(&qs, 80u, HS); l5 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 80u, HS); }
-                    if (ND > 6u) { h6 = subgroupMatrixLoad<Left, row_major>(&qs, 96u, HS); l6 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 96u, HS); }
-                    if (ND > 7u) { h7 = subgroupMatrixLoad<Left, row_major>(&qs, 112u, HS); l7 = subgroupMatrixLoad<Left, row_major>(&qs, QH + 112u, HS); }
+                    if (ND > 0u) { h0 = subgroupMatrixLoad<Right, col_major>(&qs, 0u, HS); l0 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 0u, HS); }
+                    if (ND > 1u) { h1 = subgroupMatrixLoad<Right, col_major>(&qs, 16u, HS); l1 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 16u, HS); }
+                    if (ND > 2u) { h2 = subgroupMatrixLoad<Right, col_major>(&qs, 32u, HS); l2 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 32u, HS); }
+                    if (ND > 3u) { h3 = subgroupMatrixLoad<Right, col_major>(&qs, 48u, HS); l3 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 48u, HS); }
+                    if (ND > 4u) { h4 = subgroupMatrixLoad<Right, col_major>(&qs, 64u, HS); l4 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 64u, HS); }
+                    if (ND > 5u) { h5 = subgroupMatrixLoad<Right, col_major>(&qs, 80u, HS); l5 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 80u, HS); }
+                    if (ND > 6u) { h6 = subgroupMatrixLoad<Right, col_major>(&qs, 96u, HS); l6 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 96u, HS); }
+                    if (ND > 7u) { h7 = subgroupMatrixLoad<Right, col_major>(&qs, 112u, HS); l7 = subgroupMatrixLoad<Right, col_major>(&qs, QH + 112u, HS); }
                 }
             }
             workgroupBarrier();  // rinf is complete
@@ -323,47 +328,47 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 }
                 if (kb != INVALID && 16u * sg < n_rows) {  // (a subgroup without rows idles)
                     if (ND > 0u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 0u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h0, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l0, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 0u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h0, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l0, acc);
                     }
                     if (ND > 1u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 16u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h1, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l1, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 16u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h1, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l1, acc);
                     }
                     if (ND > 2u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 32u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h2, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l2, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 32u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h2, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l2, acc);
                     }
                     if (ND > 3u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 48u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h3, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l3, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 48u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h3, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l3, acc);
                     }
                     if (ND > 4u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 64u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h4, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l4, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 64u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h4, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l4, acc);
                     }
                     if (ND > 5u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 80u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h5, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l5, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 80u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h5, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l5, acc);
                     }
                     if (ND > 6u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 96u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h6, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l6, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 96u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h6, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l6, acc);
                     }
                     if (ND > 7u) {
-                        let b = subgroupMatrixLoad<Right, col_major>(&ik, kb + 112u, KS);
-                        acc = subgroupMatrixMultiplyAccumulate(h7, b, acc);
-                        acc = subgroupMatrixMultiplyAccumulate(l7, b, acc);
+                        let b = subgroupMatrixLoad<Left, row_major>(&ik, kb + 112u, KS);
+                        acc = subgroupMatrixMultiplyAccumulate(b, h7, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(b, l7, acc);
                     }
                 }
-                subgroupMatrixStore<row_major>(&res, rb + 16u * u, acc, RW);
+                subgroupMatrixStore<col_major>(&res, rb + 16u * u, acc, RW);
             }
             workgroupBarrier();  // the stores are visible (and the other buffer's fold is done)
             par = 1u - par;

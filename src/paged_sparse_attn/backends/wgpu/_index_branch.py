@@ -94,7 +94,9 @@ SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many inv
 # Geometry and whether "auto" takes the tensor-core kernel, measured on the H200 (prefill shape,
 # Dawn, GPU timestamps, scripts/experiment_sgmat_scores.py, every variant right): 16-position tiles
 # per step x items per workgroup, NT=1 IPW=16 5.43 ms, NT=1 IPW=1 6.50, NT=4 IPW=8 9.33, NT=2
-# IPW=16 9.64, NT=2 IPW=8 10.74, NT=1 IPW=8 12.12, NT=2 IPW=1 15.77; the FMA kernel 8.24 ms.
+# IPW=16 9.64, NT=2 IPW=8 10.74, NT=1 IPW=8 12.12, NT=2 IPW=1 15.77; the FMA kernel 8.24 ms. With
+# the keys as the left operand (S^T, 2026-12-02; scripts/experiment_index_prefill.py --ipw --nt):
+# NT=1 IPW=16 3.10 ms, IPW=8 3.11, IPW=32 3.28, NT=2 4.91.
 SGMAT_SCORES_NT = 1   # 16-position tiles per step of the kernel (1, 2 or 4)
 SGMAT_SCORES_IPW = 16  # consecutive work items per workgroup (the queries are staged once for them)
 SGMAT_SCORES_AUTO = True
