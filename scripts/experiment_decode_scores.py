@@ -30,29 +30,29 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _layer_inputs as li  # noqa: E402
-from experiment_decode import _with_edits  # noqa: E402
+import _layer_inputs as li
+from experiment_decode import _with_edits
 
-from paged_sparse_attn import registry  # noqa: E402
-from paged_sparse_attn.backends.wgpu import _index_branch as ib  # noqa: E402
-from paged_sparse_attn.backends.wgpu import _kernels, _layer  # noqa: E402
-from paged_sparse_attn.bench.layer import _plan  # noqa: E402
+from paged_sparse_attn import registry
+from paged_sparse_attn.backends.wgpu import _index_branch as ib
+from paged_sparse_attn.backends.wgpu import _kernels, _layer
+from paged_sparse_attn.bench.layer import _plan
 
 SG = ib.SCORES_DECODE_SG
 HOIST = [
     ("fn key_unit(pg: u32, p: u32, npos: u32, r: u32, ok: ptr<function, bool>) -> vec4<u32> {",
-     "var<private> item_pages: vec4<u32>;  // the item's pages (BS <= 4 S)\n\n"
-     "fn page_of(pg: u32, p: u32) -> u32 {\n"
-     "    if (BS <= 4u * S) {\n        return item_pages[min(p / S, 3u)];\n    }\n"
-     "    return pages[pg + p / S];\n}\n\n"
-     "fn key_unit(pg: u32, p: u32, npos: u32, r: u32, ok: ptr<function, bool>) -> vec4<u32> {"),
+     ("var<private> item_pages: vec4<u32>;  // the item's pages (BS <= 4 S)\n\n"
+      "fn page_of(pg: u32, p: u32) -> u32 {\n"
+      "    if (BS <= 4u * S) {\n        return item_pages[min(p / S, 3u)];\n    }\n"
+      "    return pages[pg + p / S];\n}\n\n"
+      "fn key_unit(pg: u32, p: u32, npos: u32, r: u32, ok: ptr<function, bool>) -> vec4<u32> {")),
     ("        let slab = pages[pg + p / S];  // INVALID is >= every chunk_end",
      "        let slab = page_of(pg, p);  // INVALID is >= every chunk_end"),
     ("    let r = lid % R;             // lane in the key group",
-     "    if (BS <= 4u * S) {\n        let np = (npos + S - 1u) / S;\n"
-     "        for (var i = 0u; i < 4u; i++) {\n            if (i < np) {\n"
-     "                item_pages[i] = pages[pg + i];\n            }\n        }\n    }\n"
-     "    let r = lid % R;             // lane in the key group"),
+     ("    if (BS <= 4u * S) {\n        let np = (npos + S - 1u) / S;\n"
+      "        for (var i = 0u; i < 4u; i++) {\n            if (i < np) {\n"
+      "                item_pages[i] = pages[pg + i];\n            }\n        }\n    }\n"
+      "    let r = lid % R;             // lane in the key group")),
 ]
 VARIANTS = {  # name: (edits, workgroup size, next chunk in flight, ONCE store)
     "as is": ([], None, None, True),

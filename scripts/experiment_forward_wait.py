@@ -26,11 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _layer_inputs as li  # noqa: E402
+import _layer_inputs as li
 
-import paged_sparse_attn as psa  # noqa: E402
-from paged_sparse_attn import registry  # noqa: E402
-from paged_sparse_attn.backends.wgpu import _layer  # noqa: E402
+import paged_sparse_attn as psa
+from paged_sparse_attn import registry
+from paged_sparse_attn.backends.wgpu import _layer
 
 _MAP = _layer.map_read
 
@@ -55,8 +55,8 @@ def _rounds(names, prob, lw, rounds, label):
                 _layer.map_read = fn
                 try:
                     kd, vd = kv[n]
-                    kw = dict(used_kv_lens=prob["used_kv_lens"], block_size=lw.w.block_size, causal=lw.w.causal,
-                              backend=be)
+                    kw = {"used_kv_lens": prob["used_kv_lens"], "block_size": lw.w.block_size,
+                          "causal": lw.w.causal, "backend": be}
                     for i in range(4):
                         psa.forward(qs[i], kd, vd, prob["block_tables"], prob["selected"], prob["cu_seqlens_q"], **kw)
                     ts = []
