@@ -1,0 +1,84 @@
+"""Experiment: where the tensor-core prefill partials (psa_partials_sgmat.wgsl) spend their time.
+
+Not a check: each variant is the kernel with one part left out (results are wrong on purpose),
+registered under the kernel's own name for this process only, and timed on the bench's prefill
+layer workload (B = 1, L = 32k, the last 4096 queries, causal, top-16 of 128-token blocks,
+float16 caches) as the GPU time of a planned attention call's partials and combine (timestamps),
+each variant on a fresh device, in alternating rounds. Run on a machine with Dawn and f16
+subgroup matrices:
+
+    python scripts/experiment_partials_split.py [--rounds 2] [--calls 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _layer_inputs as li
+from _wgsl_variants import original, register
+
+from paged_sparse_attn import registry
+from paged_sparse_attn.backends.wgpu import _kernels
+
+BASE = "psa_partials_sgmat.wgsl"
+S_PRODUCTS = ["                    acc = subgroupMatrixMultiplyAccumulate(ah, b, acc);\n",
+              "                    acc = subgroupMatrixMultiplyAccumulate(al, b, acc);\n"]
+PV_PRODUCTS = [f"                acc{i} = subgroupMatrixMultiplyAccumulate({x}, b, acc{i});\n"
+               for i in range(8) for x in ("ah", "al")]
+EDITS = {
+    "as is": [],
+    "no S = Q K^T products (nor their matrix loads)": [(x, "") for x in S_PRODUCTS],
+    "no P V products (nor their matrix loads)": [(x, "") for x in PV_PRODUCTS],
+    "no products at all": [(x, "") for x in S_PRODUCTS + PV_PRODUCTS],
+    "no K/V reads from the cache (zeros staged)": [
+        ("                u = k_cache[row + x - k * D8];", "                u = vec4<u32>(row & 0u);"),
+        ("                u = v_cache[row + x - k * D8];", "                u = vec4<u32>(row & 0u);")],
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=4)
+    a = ap.parse_args()
+    lw, prob, _, _ = li.layer_inputs("prefill")
+    src0 = original(BASE)
+    row = _kernels.KERNEL_TABLE[BASE]
+    res: dict = {}
+    for r in range(a.rounds):
+        for label, edits in EDITS.items():
+            src = src0
+            for old, new in edits:
+                if old not in src:
+                    raise SystemExit(f"edit not found: {old!r}")
+                src = src.replace(old, new)
+            register(BASE, src, row)
+            be = type(registry.get_backend("dawn"))(timestamps=True)
+            try:
+                d = li.on_device(be, lw, prob, layers=1)
+                ts = []
+                for i in range(a.calls + 1):
+                    d.plan.run(prob["q"], d.k, d.v, prob["selected"])  # host q: the call reads its timings
+                    if i:
+                        ts.append(be.last_timings.get("gpu_attention_s", np.nan))
+                kern = d.plan._runtime.geometry.get("kernel")
+                t = float(np.median(ts))
+                res.setdefault(label, []).append(t)
+                print(f"round {r}: {label:46s} {t * 1e3:7.3f} ms  (kernel {kern})", flush=True)
+            finally:
+                be.close()
+    register(BASE, src0, row)
+    print("medians:")
+    for label, ts in res.items():
+        print(f"  {label:46s} {np.median(ts) * 1e3:7.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
