@@ -30,9 +30,9 @@
 //    of 16), so its keys are 16 consecutive rows of one slab: each left-hand matrix (16 positions
 //    x 16 dims, one key row per matrix row) is loaded row-major from `ik` (stride 4 DV halves).
 //    The keys are the left operand and the queries the right one, so the units compute S^T: on
-//    the H200 (Dawn) the prefill block scores took 3.10 ms so against 5.49 ms with the queries
-//    on the left and the keys loaded column-major as the right operand, the same bits
-//    (docs/benchmarks.md, 2026-12-02). A tile whose page is
+//    the H200 (Dawn) the prefill block scores took 3.10 ms this way against 5.49 ms with the
+//    queries on the left and the keys loaded column-major as the right operand, with the same
+//    selections (docs/benchmarks.md, 2026-12-02). A tile whose page is
 //    unmapped or in another chunk is not loaded (its accumulator stays zero, its positions are
 //    invisible). Positions past npos in a loaded page are read (whole slabs are bound) but only
 //    reach their own result column, which the fold never takes.
