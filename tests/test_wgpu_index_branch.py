@@ -505,6 +505,33 @@ def test_R25_wgpu_decode_layer_stores_each_score_once_and_keeps_no_old_scores(Wg
         plan.close()
 
 
+def test_R32_wgpu_decode_layer_after_a_decode_step_binds_its_new_index_branch(WgpuBackend):
+    """A decode step (``update``) rebuilds the plan's index-branch buffers; the same device
+    ``index_q`` then binds to the new ones, never to bind groups of the buffers it replaced (which
+    a submission refuses), and the layer equals sparse_attention for the new lengths."""
+    B, msb, BS = 4, 5, 4
+    c = make_case(45, B=B, S=2, ppb=2, msb=msb, Hkv=2, G=2, d=16, T=[1] * B, lens=[12, 7, 15, 13], holes=0.0,
+                  extra_cols=0)
+    be = WgpuBackend(required_limits="default")
+    kd, vd = be.upload_kv_cache(c["k_cache"], c["v_cache"])
+    ikd = be.upload_index_cache(c["index_k_cache"])
+    plan = psa.plan_attention(c["block_tables"], c["cu_seqlens_q"], c["used_kv_lens"], block_size=BS,
+                              page_size=2, num_q_heads=4, num_kv_heads=2, head_dim=8, kv_dtype=np.float32, topk=2,
+                              causal=True, index_dim=16, num_index_heads=1, backend=be)
+    qd, iqd = be.asarray(c["q"]), be.asarray(c["index_q"])
+    try:
+        for lens in (c["used_kv_lens"], c["used_kv_lens"] + 3, c["used_kv_lens"] + 5):
+            lens = np.asarray(lens, np.int32)
+            plan.update(used_kv_lens=lens)
+            got = plan.run_sparse(qd, kd, vd, iqd, ikd).numpy()
+            want = sparse_attention(c["q"], c["k_cache"], c["v_cache"], c["index_q"], c["index_k_cache"],
+                                    c["block_tables"], c["cu_seqlens_q"], used_kv_lens=lens, block_size=BS, topk=2,
+                                    backend=be)
+            assert np.array_equal(got, want, equal_nan=True)
+    finally:
+        plan.close()
+
+
 def test_R25_score_items_cover_each_key_once_only_when_they_do():
     """The host's proof behind the ONCE store: every (t, h, s) key of the scores exactly once."""
     from paged_sparse_attn.backends.wgpu._layer import covers_once

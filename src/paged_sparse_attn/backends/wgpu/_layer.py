@@ -710,6 +710,7 @@ class DeviceRuntime:
         consts[n + 1, :32] = self._inv_record(self.grids["edges"][0], K=k_out)
         cbuf = self._buffer(consts.nbytes, U.UNIFORM | U.COPY_DST, "score.consts", sp.bufs)
         dev.queue.write_buffer(cbuf, 0, consts)
+        sp.uid = cbuf.uid  # this setup's, in the keys of the bind groups made for it (uids are never reused)
 
         def bind(iq):
             """The index branch's dispatches reading the index queries from buffer ``iq``."""
@@ -732,9 +733,9 @@ class DeviceRuntime:
         L = self.layout
         calls = sp.calls
         if isinstance(index_q, DeviceArray):
-            if index_q.offset == 0:  # bound where it is (bind groups kept per buffer): no copy
+            if index_q.offset == 0:  # bound where it is (bind groups kept per setup and buffer): no copy
                 buf = index_q.buffer()
-                calls = self._cached(("index_q", buf.uid), lambda: sp.bind(buf))
+                calls = self._cached(("index_q", sp.uid, buf.uid), lambda: sp.bind(buf))
             else:
                 enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
         else:
