@@ -472,16 +472,11 @@ def test_R25_wgpu_planned_decode_layer_equals_sparse_attention(WgpuBackend, time
         plan.close()
 
 
-@pytest.mark.parametrize("full", [True, False])
-def test_R25_wgpu_decode_layer_stores_each_score_once_and_keeps_no_old_scores(WgpuBackend, full):
-    """A decode layer whose block-score items hold every score key once stores the keys without
-    clearing the scores first (the key-group kernel's ONCE); layers with other index queries, run
-    back to back on one plan with the index queries bound where they are, give the bits of
-    sparse_attention for their own inputs (an old key kept would change a selection). Lengths
-    that leave blocks without an item keep the clear and the merge."""
-    B, msb, BS = 4, 5, 4
-    lens = [msb * BS] * B if full else [msb * BS, 7, msb * BS, 13]
-    c = make_case(45, B=B, S=2, ppb=2, msb=msb, Hkv=2, G=2, d=16, T=[1] * B, lens=lens, holes=0.0,
+def _decode_layer(WgpuBackend, lens, BS=4):
+    """A small decode MSA layer on a wgpu device (4 sequences of one query, 5 blocks of ``BS``,
+    sequence lengths ``lens``): ``(case, backend, k, v, index keys, plan)``, all resident."""
+    B = len(lens)
+    c = make_case(45, B=B, S=2, ppb=BS // 2, msb=5, Hkv=2, G=2, d=16, T=[1] * B, lens=lens, holes=0.0,
                   extra_cols=0)
     be = WgpuBackend(required_limits="default")
     kd, vd = be.upload_kv_cache(c["k_cache"], c["v_cache"])
@@ -489,6 +484,18 @@ def test_R25_wgpu_decode_layer_stores_each_score_once_and_keeps_no_old_scores(Wg
     plan = psa.plan_attention(c["block_tables"], c["cu_seqlens_q"], c["used_kv_lens"], block_size=BS,
                               page_size=2, num_q_heads=4, num_kv_heads=2, head_dim=8, kv_dtype=np.float32, topk=2,
                               causal=True, index_dim=16, num_index_heads=1, backend=be)
+    return c, be, kd, vd, ikd, plan
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_R25_wgpu_decode_layer_stores_each_score_once_and_keeps_no_old_scores(WgpuBackend, full):
+    """A decode layer whose block-score items hold every score key once stores the keys without
+    clearing the scores first (the key-group kernel's ONCE); layers with other index queries, run
+    back to back on one plan with the index queries bound where they are, give the bits of
+    sparse_attention for their own inputs (an old key kept would change a selection). Lengths
+    that leave blocks without an item keep the clear and the merge."""
+    BS = 4
+    c, be, kd, vd, ikd, plan = _decode_layer(WgpuBackend, [5 * BS] * 4 if full else [5 * BS, 7, 5 * BS, 13], BS)
     rng = np.random.default_rng(3)
     iqs = [rng.standard_normal(c["index_q"].shape).astype(np.float32) * s for s in (1.0, -3.0, 0.5, 1.0)]
     iqs[3][:, :, :] = 0.0  # every score 0: ties everywhere, the lowest ids win (R24)
@@ -509,15 +516,8 @@ def test_R32_wgpu_decode_layer_after_a_decode_step_binds_its_new_index_branch(Wg
     """A decode step (``update``) rebuilds the plan's index-branch buffers; the same device
     ``index_q`` then binds to the new ones, never to bind groups of the buffers it replaced (which
     a submission refuses), and the layer equals sparse_attention for the new lengths."""
-    B, msb, BS = 4, 5, 4
-    c = make_case(45, B=B, S=2, ppb=2, msb=msb, Hkv=2, G=2, d=16, T=[1] * B, lens=[12, 7, 15, 13], holes=0.0,
-                  extra_cols=0)
-    be = WgpuBackend(required_limits="default")
-    kd, vd = be.upload_kv_cache(c["k_cache"], c["v_cache"])
-    ikd = be.upload_index_cache(c["index_k_cache"])
-    plan = psa.plan_attention(c["block_tables"], c["cu_seqlens_q"], c["used_kv_lens"], block_size=BS,
-                              page_size=2, num_q_heads=4, num_kv_heads=2, head_dim=8, kv_dtype=np.float32, topk=2,
-                              causal=True, index_dim=16, num_index_heads=1, backend=be)
+    BS = 4
+    c, be, kd, vd, ikd, plan = _decode_layer(WgpuBackend, [12, 7, 15, 13], BS)
     qd, iqd = be.asarray(c["q"]), be.asarray(c["index_q"])
     try:
         for lens in (c["used_kv_lens"], c["used_kv_lens"] + 3, c["used_kv_lens"] + 5):
