@@ -10,6 +10,11 @@ variant's output must equal the first one's, bit for bit (the variants compared 
 to give the same bits); a line says when it does not. Run on a machine with Dawn:
 
     python scripts/experiment_index_prefill.py [--backend dawn] [--variant LABEL=DIR ...] [--rounds 4]
+        [--ipw N ...] [--nt N ...] [--rows N ...] [--combo IPW,NT,ROWS ...]
+
+``--ipw``, ``--nt`` and ``--rows`` add the working tree's kernels with one geometry constant of the
+tensor-core block scores changed (items per workgroup, 16-position tiles per step, rows per work
+item at most); ``--combo`` changes the three together.
 
 ``--workload decode`` times the decode layer workload's index branch instead (B = 32 sequences of
 32k, one query each).
@@ -49,15 +54,17 @@ def register(tag: str, folder: Path | None) -> dict[str, str]:
 
 
 def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, ipw: int | None = None,
-            options: dict | None = None, nt: int | None = None):
+            options: dict | None = None, nt: int | None = None, rows: int | None = None):
     """(median scores s, median top-k s, output of one call) of one variant, on a fresh device."""
     from paged_sparse_attn import registry
 
     for attr, name in names.items():
         setattr(ib, attr, name)
     orig_args, orig_ipw, orig_nt = ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW, ib.SGMAT_SCORES_NT
+    orig_rows = ib.SGMAT_SCORES_ROWS
     ib.SGMAT_SCORES_IPW = orig_ipw if ipw is None else ipw
     ib.SGMAT_SCORES_NT = orig_nt if nt is None else nt
+    ib.SGMAT_SCORES_ROWS = orig_rows if rows is None else rows
     if "fn rank_rows" not in wv.SOURCES.get(names["TOPK"], "fn rank_rows"):  # a top-k from before that entry point
         ib.topk_pipeline_args = lambda ctx, keys, msb, rows: ("main", {**orig_args(ctx, keys, msb, rows)[1], "CAP": ib.topk_cap(ctx)})
     be = type(registry.get_backend(backend))(timestamps=True, **(options or {}))
@@ -79,6 +86,7 @@ def measure(backend: str, names: dict[str, str], prob, iqs, ik, lw, calls: int, 
         for k, v in ORIGINAL.items():
             setattr(ib, k, v)
         ib.topk_pipeline_args, ib.SGMAT_SCORES_IPW, ib.SGMAT_SCORES_NT = orig_args, orig_ipw, orig_nt
+        ib.SGMAT_SCORES_ROWS = orig_rows
         be.close()
 
 
@@ -89,6 +97,10 @@ def main() -> int:
                     help="also the working tree's kernels with these work items per workgroup (SGMAT_SCORES_IPW)")
     ap.add_argument("--nt", type=int, nargs="*", default=[],
                     help="also the working tree's kernels with these 16-position tiles per step (SGMAT_SCORES_NT)")
+    ap.add_argument("--rows", type=int, nargs="*", default=[],
+                    help="also the working tree's kernels with at most these rows per work item (SGMAT_SCORES_ROWS)")
+    ap.add_argument("--combo", nargs="*", default=[],
+                    help="also the working tree's kernels with IPW,NT,ROWS together (e.g. 8,1,128)")
     add_arguments(ap)
     a = ap.parse_args()
     t0 = time.perf_counter()
@@ -96,17 +108,21 @@ def main() -> int:
     variants = []
     for i, v in enumerate(a.variant):
         label, folder = v.split("=", 1)
-        variants.append((label, register(f"v{i}", Path(folder)), None, None, None))
-    variants.append(("working tree", register("tree", None), None, None, None))
-    variants += [(f"working tree IPW={n}", register("tree", None), n, None, None) for n in a.ipw]
-    variants += [(f"working tree NT={n}", register("tree", None), None, None, n) for n in a.nt]
+        variants.append((label, register(f"v{i}", Path(folder)), None, None, None, None))
+    variants.append(("working tree", register("tree", None), None, None, None, None))
+    variants += [(f"working tree IPW={n}", register("tree", None), n, None, None, None) for n in a.ipw]
+    variants += [(f"working tree NT={n}", register("tree", None), None, None, n, None) for n in a.nt]
+    variants += [(f"working tree rows={n}", register("tree", None), None, None, None, n) for n in a.rows]
+    for c in a.combo:
+        i_, n_, r_ = (int(x) for x in c.split(","))
+        variants.append((f"IPW={i_} NT={n_} rows={r_}", register("tree", None), i_, None, n_, r_))
     if a.no_robustness:
-        variants.append(("no bounds checks", register("tree", None), None, {"robustness": False}, None))
+        variants.append(("no bounds checks", register("tree", None), None, {"robustness": False}, None, None))
     rows: dict[str, list] = {v[0]: [] for v in variants}
     first = None
     for r in range(a.rounds):
-        for label, names, ipw, options, nt in variants:
-            s, k, out = measure(a.backend, names, prob, iqs, ik, lw, a.calls, ipw, options, nt)
+        for label, names, ipw, options, nt, nrows in variants:
+            s, k, out = measure(a.backend, names, prob, iqs, ik, lw, a.calls, ipw, options, nt, nrows)
             same = "" if first is None else ("  same output" if np.array_equal(out, first, equal_nan=True)
                                              else "  OUTPUT DIFFERS")
             first = out if first is None else first

@@ -25,7 +25,8 @@ from paged_sparse_attn.errors import UnsupportedError
 
 
 def _ctx(**kw):
-    base = dict(sgmat=frozenset({(16, 16, 16), (16, 8, 16)}), subgroup=(32, ""), workgroup_storage=49152)
+    base = dict(sgmat=frozenset({(16, 16, 16), (16, 8, 16)}), subgroup=(32, ""), workgroup_storage=49152,
+                max_invocations=1024)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -40,10 +41,23 @@ def test_kernel_table_row_is_a_subgroup_matrix_drop_in_for_the_fma_kernel():
     assert row.bindings == fma.bindings  # same bindings: the host planning is one code path
 
 
-@pytest.mark.parametrize("rows, rt", [(9, 16), (16, 16), (17, 32), (33, 64), (64, 64), (200, 64)])
+@pytest.mark.parametrize("rows, rt", [(9, 16), (16, 16), (17, 32), (33, 64), (64, 64), (65, 128), (200, 256),
+                                      (5000, 256)])
 def test_the_kernel_tile_covers_the_items_rows(rows, rt):
     geo, why = _pick(rows_per_seq=rows, choice="sgmat")
-    assert geo == {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW}, why
+    assert geo == {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW, "NSG": max(4, rt // 16)}, why
+
+
+@pytest.mark.parametrize("invocations, storage, rt", [(256, 49152, 128), (1024, 32768, 128), (128, 49152, 64),
+                                                      (1024, 24000, 64)])
+def test_items_shrink_to_the_workgroups_the_device_holds(invocations, storage, rt):
+    """Items of 256 rows need 512 invocations and 37 KiB of workgroup memory: a device that
+    holds less gets the largest items it holds (at least 64 rows, 4 subgroups)."""
+    geo, why = _pick(_ctx(max_invocations=invocations, workgroup_storage=storage), rows_per_seq=4096)
+    assert geo is not None, why
+    assert (geo["RT"], geo["NSG"]) == (rt, rt // 16)
+    assert 32 * geo["NSG"] <= max(128, invocations)
+    assert sgmat_scores_workgroup_bytes(geo["NT"], geo["NSG"]) <= storage
 
 
 def test_auto_follows_the_measured_choice(monkeypatch):
@@ -54,7 +68,7 @@ def test_auto_follows_the_measured_choice(monkeypatch):
     geo, why = _pick()
     assert geo is None and "turned off" in why
     monkeypatch.setattr(_index_branch, "SGMAT_SCORES_AUTO", True)
-    assert _pick()[0]["RT"] == 64
+    assert _pick()[0]["RT"] == 64  # (rows_per_seq=64)
 
 
 def test_subgroup_matrix_kernels_keep_workgroup_variables_16_byte_aligned():
@@ -100,7 +114,8 @@ def test_forcing_the_tensor_core_kernel_where_it_cannot_run_raises():
         _pick(hnd=False, choice="sgmat")
 
 
-@pytest.mark.parametrize("rt, nt, ipw, dv", [(16, 1, 1, 32), (32, 2, 8, 4), (64, 4, 16, 16), (64, 2, 8, 32)])
+@pytest.mark.parametrize("rt, nt, ipw, dv", [(16, 2, 1, 32), (32, 2, 8, 4), (64, 4, 16, 16), (64, 2, 8, 32),
+                                          (128, 2, 16, 32), (128, 1, 16, 32)])
 def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device, rt, nt, ipw, dv):
     """The Null adapter allows 16 KiB of workgroup memory: the pipeline is refused with the
     byte count Tint computed from the shader, which must be the host's."""
@@ -109,10 +124,10 @@ def test_tint_compiles_it_with_the_workgroup_memory_the_host_counts(tint_device,
     with pytest.raises(Exception) as err:
         device.create_compute_pipeline(layout="auto", compute={
             "module": module, "entry_point": "main",
-            "constants": {"DV": dv, "S": 64, "BS": 128, "RT": rt, "NT": nt, "IPW": ipw}})
+            "constants": {"DV": dv, "S": 64, "BS": 128, "RT": rt, "NT": nt, "IPW": ipw, "NSG": max(4, rt // 16)}})
     used = re.search(r"workgroup storage \((\d+) bytes\)", str(err.value))
     assert used is not None, str(err.value)
-    assert int(used.group(1)) == sgmat_scores_workgroup_bytes(nt)
+    assert int(used.group(1)) == sgmat_scores_workgroup_bytes(nt, max(4, rt // 16))
 
 
 def test_the_scores_kernel_option_is_checked_and_forcing_says_why(WgpuBackend):

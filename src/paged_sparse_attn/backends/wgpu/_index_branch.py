@@ -86,27 +86,39 @@ def decode_sg_constants(*, DV: int, itemsize: int, rows: int, subgroup: tuple, w
 
 # The tensor-core variant (16x16x16 f16 subgroup matrices; docs/spec/numerics.md, "Block scores
 # on tensor cores"): float16 HND index keys, d_idx a multiple of 16 in 16..128, pages and blocks
-# of whole 16-position tiles (the kernel loads its keys straight from storage, a tile from one
-# page), items of 16 .. 64 rows.
+# of whole 16-position tiles (the kernel stages a tile's keys from one page), items of 16 .. 256
+# rows.
 SCORES_SGMAT = "psa_block_scores_sgmat.wgsl"
 SGMAT_SCORES_DIMS = (16, 128)
-SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 subgroups of exactly this many invocations
+SGMAT_SCORES_SUBGROUP = 32  # the kernel is 4 to 16 subgroups of exactly this many invocations
 # Geometry and whether "auto" takes the tensor-core kernel, measured on the H200 (prefill shape,
 # Dawn, GPU timestamps, scripts/experiment_sgmat_scores.py, every variant right): 16-position tiles
 # per step x items per workgroup, NT=1 IPW=16 5.43 ms, NT=1 IPW=1 6.50, NT=4 IPW=8 9.33, NT=2
 # IPW=16 9.64, NT=2 IPW=8 10.74, NT=1 IPW=8 12.12, NT=2 IPW=1 15.77; the FMA kernel 8.24 ms. With
 # the keys as the left operand (S^T, 2026-12-02; scripts/experiment_index_prefill.py --ipw --nt):
 # NT=1 IPW=16 3.10 ms, IPW=8 3.11, IPW=32 3.28, NT=2 4.91.
-SGMAT_SCORES_NT = 1   # 16-position tiles per step of the kernel (1, 2 or 4)
-SGMAT_SCORES_IPW = 16  # consecutive work items per workgroup (the queries are staged once for them)
+SGMAT_SCORES_NT = 2   # 16-position tiles per step of the kernel (1, 2 or 4)
+# consecutive work items per workgroup (the queries are staged once for them). With items of 256
+# rows (below; prefill shape, H200, Dawn): IPW = 16 1.55 ms, 24 1.43, 32 1.51, 48 1.68: the spread
+# follows how evenly the workgroups (about 650 at IPW = 24) fill the GPU, so other shapes may
+# prefer other values; 16 was the best with items of 64 rows and keys from storage
+SGMAT_SCORES_IPW = 24
+# rows per work item at most (RT, 16 per subgroup; fewer where the device's workgroups cannot hold
+# them). Measured on the H200 (Dawn, prefill shape, keys staged once per workgroup, 2026-12-02):
+# 64 rows 2.58 ms, 128 rows 2.35 (2.20 with NT = 2), 256 rows 1.88 (1.79 with NT = 2, once the
+# query tile and the staged keys shared one array; 1.65 with a leaner fold, 1.55 with four query
+# tiles loaded at once; all with IPW = 16)
+SGMAT_SCORES_ROWS = 256
 SGMAT_SCORES_AUTO = True
 
 
-def sgmat_scores_workgroup_bytes(nt: int = SGMAT_SCORES_NT) -> int:
+def sgmat_scores_workgroup_bytes(nt: int = SGMAT_SCORES_NT, nsg: int = 4) -> int:
     """Workgroup memory of psa_block_scores_sgmat.wgsl (each variable a whole number of 16-byte
-    units, as Dawn counts it): the staged query tile (hi and lo, 16 rows of 136 halves), two
-    result buffers of 16 x (16 NT + 4) floats per subgroup (4 subgroups), the 64 row records."""
-    return 2 * 2 * 16 * 136 + 4 * 2 * 4 * 16 * (16 * int(nt) + 4) + 16 * 64
+    units, as Dawn counts it): one array for the staged query tile (hi and lo, 16 rows of 136
+    halves) or the staged keys of a step (16 NT rows of 136 halves), a result buffer of 16 x
+    (16 NT + 4) floats per subgroup (``nsg`` subgroups), and a record of 8 bytes per row (16
+    per subgroup)."""
+    return 2 * max(2 * 16 * 136, 16 * int(nt) * 136) + nsg * 4 * 16 * (16 * int(nt) + 4) + 8 * 16 * nsg
 
 
 def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd: bool,
@@ -137,14 +149,18 @@ def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd
     elif getattr(ctx, "subgroup", (None,))[0] != SGMAT_SCORES_SUBGROUP:
         why = f"the subgroup size is not {SGMAT_SCORES_SUBGROUP}"
     else:
-        rt = max(16, score_rows_per_item(rows_per_seq))
-        if sgmat_scores_workgroup_bytes() > ctx.workgroup_storage:
-            why = f"{sgmat_scores_workgroup_bytes()} bytes of workgroup memory needed"
+        rt = max(16, min(SGMAT_SCORES_ROWS, 1 << max(0, int(rows_per_seq) - 1).bit_length()))
+        nsg = max(4, rt // 16)  # (subgroups without rows idle: items of fewer than 64 rows)
+        while nsg > 4 and (32 * nsg > getattr(ctx, "max_invocations", 256)
+                           or sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg) > ctx.workgroup_storage):
+            nsg, rt = nsg // 2, rt // 2  # the largest items the device holds
+        if sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg) > ctx.workgroup_storage:
+            why = f"{sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg)} bytes of workgroup memory needed"
         elif choice == "auto" and not SGMAT_SCORES_AUTO:
             return None, ("the tensor-core kernel is turned off for 'auto' (SGMAT_SCORES_AUTO); ask for it "
                           "with the 'sgmat' choice")
         else:
-            return {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW}, ""
+            return {"RT": rt, "NT": SGMAT_SCORES_NT, "IPW": SGMAT_SCORES_IPW, "NSG": nsg}, ""
     if choice == "sgmat":
         raise UnsupportedError(f"block_scores(): the tensor-core kernel cannot run: {why} [R18]")
     return None, why
