@@ -35,7 +35,7 @@
 //    multiples of 16), so its keys are 16 consecutive rows of one slab. Each step, the workgroup
 //    copies its NT tiles' keys (whole 16-byte units of `ik`, coalesced rows) into workgroup
 //    memory (`qs`, which holds the query tile only while an item run starts: [position][dim],
-//    row stride KSP), with the next step's units already in flight in registers (PF = 1); then
+//    row stride KSP), with the next step's units already in flight in registers; then
 //    every subgroup loads each left-hand matrix (16 positions x 16 dims, one key row per matrix
 //    row) row-major from there. The keys are the left operand and the queries the right one, so
 //    the units compute S^T (with the keys loaded straight from storage this way the prefill
@@ -74,7 +74,6 @@
 //   RT  rows per item: 16 .. 256 (>= the host's rows per item, <= 16 NSG)
 //   NSG subgroups: 4, 8 or 16 (WG = 32 NSG invocations)
 //   NT  16-position tiles per step: 1, 2 or 4      IPW  work items per workgroup (>= 1)
-//   PF  1: the next step's key units loaded during a step (default), 0: at its start
 //   TPP (derived) query tiles loaded and split at once while an item run starts: WG / 128
 // Workgroup memory (bytes): 2 max(2 * 16 HS, 16 NT KSP) (HS = KSP = 136) + NSG * 4 * 16 (16 NT + 4)
 // + 8 * 16 NSG (_index_branch.sgmat_scores_workgroup_bytes: 47616 for NT = 2, NSG = 16; the host
@@ -97,7 +96,6 @@ override RW: u32 = 16u * NT + 4u;        // f32 row stride of a result buffer
 override RB: u32 = 16u * RW;             // f32 of one result buffer (16 rows)
 override KS: u32 = 4u * DV;              // f16 row stride of the keys in storage
 override KU: u32 = DV / 2u;              // 16-byte units of a key row
-override PF: u32 = 1u;                   // 1: the next step's key units in flight during a step
 override KUN: u32 = (NT * 16u * KU + WG - 1u) / WG;  // key units an invocation stages per step
 override NSG: u32 = 4u;                  // subgroups = 16-row tiles (4, 8 or 16; >= RT / 16)
 override WG: u32 = 32u * NSG;
@@ -406,7 +404,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let rb = sg * RB;               // the subgroup's result buffer
             // the step's keys to qs: each 16-byte unit read from storage once by the workgroup
             // (coalesced rows), then shared by the subgroups' matrix loads
-            if (PF == 0u || k0 == 0u) {
+            if (k0 == 0u) {  // (later steps' units were loaded during the step before)
                 for (var x = 0u; x < KUN; x++) {
                     kin[x] = key_unit(x, lid, k0, pg, npos);
                 }
@@ -418,7 +416,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 }
             }
             workgroupBarrier();  // the step's keys are staged
-            if (PF != 0u && k0 + 16u * NT < npos) {  // the next step's units in flight
+            if (k0 + 16u * NT < npos) {  // the next step's units in flight
                 for (var x = 0u; x < KUN; x++) {
                     kin[x] = key_unit(x, lid, k0 + 16u * NT, pg, npos);
                 }

@@ -149,13 +149,14 @@ def sgmat_scores_constants(ctx, *, f16: bool, d_idx: int, rows_per_seq: int, hnd
     elif getattr(ctx, "subgroup", (None,))[0] != SGMAT_SCORES_SUBGROUP:
         why = f"the subgroup size is not {SGMAT_SCORES_SUBGROUP}"
     else:
-        rt = max(16, min(SGMAT_SCORES_ROWS, 1 << max(0, int(rows_per_seq) - 1).bit_length()))
+        rt = score_rows_per_item(rows_per_seq, cap=SGMAT_SCORES_ROWS, least=16)
         nsg = max(4, rt // 16)  # (subgroups without rows idle: items of fewer than 64 rows)
-        while nsg > 4 and (32 * nsg > getattr(ctx, "max_invocations", 256)
-                           or sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg) > ctx.workgroup_storage):
+        need = sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg)
+        while nsg > 4 and (32 * nsg > getattr(ctx, "max_invocations", 256) or need > ctx.workgroup_storage):
             nsg, rt = nsg // 2, rt // 2  # the largest items the device holds
-        if sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg) > ctx.workgroup_storage:
-            why = f"{sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg)} bytes of workgroup memory needed"
+            need = sgmat_scores_workgroup_bytes(SGMAT_SCORES_NT, nsg)
+        if need > ctx.workgroup_storage:
+            why = f"{need} bytes of workgroup memory needed"
         elif choice == "auto" and not SGMAT_SCORES_AUTO:
             return None, ("the tensor-core kernel is turned off for 'auto' (SGMAT_SCORES_AUTO); ask for it "
                           "with the 'sgmat' choice")
@@ -179,10 +180,11 @@ def score_workgroup_bytes(dcv: int, rt: int = 64) -> int:
     return dcv * 4 * (rt + 128) * 4 + 128 * 4 + rt * 4
 
 
-def score_rows_per_item(rows_per_seq: int) -> int:
-    """RT: 64 rows per block-score work item, or the next power of two >= the rows of the longest
-    sequence (at least 8: one subgroup of 32 invocations); decode items have Hkv rows."""
-    return int(min(SCORES_WG, max(8, 1 << max(0, int(rows_per_seq) - 1).bit_length())))
+def score_rows_per_item(rows_per_seq: int, cap: int = SCORES_WG, least: int = 8) -> int:
+    """RT: ``cap`` rows per block-score work item (64 for the FMA kernel), or the next power of two
+    >= the rows of the longest sequence (at least ``least``: 8, one subgroup of 32 invocations of
+    the FMA kernel); decode items have Hkv rows."""
+    return int(min(cap, max(least, 1 << max(0, int(rows_per_seq) - 1).bit_length())))
 TOPK_CAP = 1024  # chosen candidates ranked in workgroup memory (override CAP)
 # rows of at most this many block scores are ranked by counting (entry point rank_rows; 0 = never):
 # one pass and a few barriers instead of the radix passes (see psa_select_topk.wgsl)
