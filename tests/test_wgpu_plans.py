@@ -113,10 +113,11 @@ def test_R32_device_results_written_in_place_or_copied_equal_host_results(WgpuBa
 
 @pytest.mark.parametrize("B", [3, 4])  # results copied into their buffer (B = 3) or written there (4)
 def test_R31_decode_error_words_belong_to_their_call(WgpuBackend, B):
-    """Each decode call clears the R6 error words before its pass and copies them into its own
-    results after it, so a violating call raises at its readback however many valid calls
-    surround it, and never any valid call, held or read later; also after the inversion alone
-    (kvouter_index) raised on it."""
+    """Each decode call hands the R6 error words over to its own results and leaves them zero
+    for the next call (psa_handoff.wgsl with device results, recorded four calls per submission;
+    a clear before the pass and a copy after it with host results), so a violating call raises
+    at its readback however many valid calls surround it, and never any valid call, held or read
+    later; also after the inversion alone (kvouter_index) raised on it."""
     be = WgpuBackend()
     c = _decode(6, B=B)
     kd, vd = be.upload_kv_cache(c["k"], c["v"])

@@ -1,4 +1,4 @@
-"""The conformance kit for plans and device arrays (R30-R33, R35), on every selected backend.
+"""The conformance kit for plans and device arrays (R30-R33, R35, R36), on every selected backend.
 
 Collected with the rest of the kit (``pytest --pyargs paged_sparse_attn.testing --backend
 NAME``); ``tests/test_plan_properties.py`` re-exports these tests for the project's own run. A
@@ -206,3 +206,23 @@ def test_R35_synchronize_waits_without_reading_back_or_raising_R6(backend, data)
         bad.numpy()
     want = plan.run(p.q.astype(np.float32), k, v, p.selected, return_lse=True)
     assert _bits([x.numpy() for x in good], want), "R35: results read after synchronize() differ from the call's"
+
+
+@given(data=st.data())
+def test_R36_runs_issued_back_to_back_equal_runs_read_one_by_one(backend, data):
+    """A backend may submit several runs together (R36): more runs on device arrays than a batch
+    holds, issued back to back and read afterwards, equal the same runs with host inputs, each
+    read at once (bit for bit, out and lse)."""
+    if not _has_device(backend) or not hasattr(backend, "asarray"):
+        return
+    p = _problem(data, backend)
+    k, v = _caches(backend, p.k_cache, p.v_cache)
+    plan = _plan(backend, p)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
+    qs = [rng.standard_normal(p.q.shape).astype(np.float32) for _ in range(9)]
+    qd = [backend.asarray(q) for q in qs]  # (uploads first: a host write submits what is recorded)
+    sd = backend.asarray(p.selected)
+    outs = [plan.run(x, k, v, sd, return_lse=True) for x in qd]
+    for q, got in zip(qs, outs):
+        want = plan.run(q, k, v, p.selected, return_lse=True)
+        assert _bits([_host(x) for x in got], want), "R36: a run recorded with others differs from the run alone"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import DeviceError
+from ._batch import DeviceView, retire
 from ._runtime import SUBGROUP, WGPU_NATIVE, Runtime, gpu_error_types
 from ._webgpu import BufferUsage
 
@@ -137,6 +138,7 @@ class DeviceContext:
     runtime: Runtime = WGPU_NATIVE  # the WebGPU implementation the device comes from
     sgmat: frozenset = frozenset()  # (M, N, K) of the f16 x f16 -> f32 subgroup-matrix configurations
     sync_buffers: tuple | None = None  # (source, mappable) of the 4-byte copy a wait maps: _transfer.wait_queue
+    batch: Any = None  # the open batch of planned layers, not yet submitted (_batch.py, R36)
 
 
 SUBGROUP_PROBE = "psa_subgroup_size.wgsl"
@@ -294,6 +296,8 @@ def open_device(
     )
     if runtime.sgmat_feature in feats:
         ctx.sgmat = runtime.subgroup_matrix_configs(adapter)
+    # every use of the queue submits the open batch of planned layers first (R36)
+    ctx.device = DeviceView(device, ctx)
     # measured here, with the device, so that no call compiles or allocates anything before its
     # own checks (a refused call must leave the device untouched)
     ctx.subgroup = _measure_subgroup(ctx)
@@ -311,7 +315,11 @@ def after_device_error(backend: Any, exc: BaseException) -> bool:
 
 
 def destroy_all(buffers) -> None:
-    """Destroy every buffer of ``buffers``; never raises (teardown after an error, finalizers)."""
+    """Destroy every buffer of ``buffers``; never raises (teardown after an error, finalizers).
+    While a batch of planned layers is open they are destroyed after its submission (R36)."""
+    buffers = list(buffers)
+    if retire(buffers):
+        return
     for b in buffers:
         try:
             b.destroy()

@@ -22,6 +22,7 @@ device queries or selections are refused (R18) there.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from ..._index import build_index_arrays, local_blocks, query_positions, run_sta
 from ..._layout import BatchLayout
 from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
+from ._batch import drop, flush, open_batch
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._record import recorder
 from ._tensors import CallResult, error_message, lse_from_ml
@@ -42,6 +44,7 @@ __all__ = ["DeviceRuntime"]
 SCAN = "psa_scan.wgsl"
 INVERT = "psa_invert.wgsl"
 MERGE = "psa_merge.wgsl"
+HANDOFF = "psa_handoff.wgsl"
 SCAN_WG = 256
 TILE = 4 * SCAN_WG
 INV_WG = 64
@@ -259,6 +262,7 @@ class DeviceRuntime:
         self.bg_merge = bg(self.p_merge[1], [ub(R_MERGE, 32)] + [{"buffer": b} for b in (
             self.po, self.pml, self.merge, self.out, self.oml)])
         self._ub_merge = ub(R_MERGE, 32)
+        self.p_hand = None  # psa_handoff.wgsl's pipeline, made by the first device call (_handoff)
         self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
         self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
@@ -316,6 +320,10 @@ class DeviceRuntime:
             self.sparse = None
 
     def close(self) -> None:
+        ctx = getattr(self, "ctx", None)
+        if ctx is not None and ctx.batch is not None and getattr(self, "generation", None) == self.be._generation:
+            with contextlib.suppress(Exception):  # (reported to the reads of those layers' results)
+                flush(ctx)  # layers recorded with this plan's buffers run before they are destroyed
         self._drop_sparse()
         destroy_all(self.pool)
         self.pool = []
@@ -362,7 +370,8 @@ class DeviceRuntime:
         elif nbytes:
             self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
 
-    def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None) -> None:
+    def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None,
+                handoff=None) -> None:
         bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
         if q is not None and isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
             raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
@@ -376,7 +385,7 @@ class DeviceRuntime:
                 bg_edges = self._cached(("slots", sb.uid), lambda: self._bg(
                     self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
                         sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
-            self._encode_direct(enc, qb, k, v, bg_edges, cp, bg_merge)  # (its grid: one invocation per slot)
+            self._encode_direct(enc, qb, k, v, bg_edges, cp, bg_merge, handoff)  # (its grid: one invocation per slot)
             return
         if cp is not None:
             cp.end()  # the inversion clears buffers first: outside a pass
@@ -419,6 +428,17 @@ class DeviceRuntime:
             {"buffer": res, "offset": 0, "size": self.o_bytes},
             {"buffer": res, "offset": self.o_bytes, "size": self.ml_bytes}]))
 
+    def _handoff(self, res):
+        """The hand-over's bind group (``psa_handoff.wgsl``: the plan's error words into the
+        result buffer ``res``, then zeroed), or None where the result buffer does not fit one
+        storage binding (the words are then cleared before the pass and copied after it)."""
+        if CallResult.nbytes(self.Tq, self.Hq, self.D) > self.ctx.binding_size:
+            return None
+        if self.p_hand is None:
+            self.p_hand = self.be._pipeline(HANDOFF, False, {"DST": (self.o_bytes + self.ml_bytes) // 4})
+        return self._cached(("handoff", res.uid), lambda: self._bg(self.p_hand[1], [{"buffer": self.args},
+                                                                                    {"buffer": res}]))
+
     def _bound(self, enc, x, plan_buf, nbytes: int, dtype):
         """The buffer a kernel binds for a layer's tensor: a device array's own (when it starts at
         offset 0), else the plan's buffer with the host array written (or the array copied) in."""
@@ -445,13 +465,16 @@ class DeviceRuntime:
             layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
                                             for j, b in enumerate((params, qb, kb, vb, self.plan, self.po, self.pml))]))
 
-    def _encode_direct(self, enc, qb, k, v, bg_slots, cp=None, bg_merge=None) -> None:
+    def _encode_direct(self, enc, qb, k, v, bg_slots, cp=None, bg_merge=None, handoff=None) -> None:
         """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): three
-        dispatches of fixed sizes in one pass (two when timed, to time them apart). ``cp``: an
-        open untimed pass to continue (the index branch's, whose encoder cleared the error
-        words before it began), else a pass of its own."""
+        dispatches of fixed sizes in one pass (two when timed, to time them apart), and with
+        ``handoff`` (the bind group of ``_handoff``) a fourth that hands the R6 error words over
+        to the results and zeroes them (else the caller clears them before and copies them after
+        the pass). ``cp``: an open untimed pass to continue (the index branch's), else a pass of
+        its own."""
         if cp is None:
-            enc.clear_buffer(self.args, 48, 16)
+            if handoff is None:
+                enc.clear_buffer(self.args, 48, 16)
             cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
         if self._ts(0) is not None:
@@ -459,6 +482,8 @@ class DeviceRuntime:
             cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
         self._dispatch(cp, self.p_part[0], self._partials_group(qb, k, v, self.pparams_direct), self.direct_grid)
         self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
+        if handoff is not None:
+            self._dispatch(cp, self.p_hand[0], handoff, (1, 1))
         cp.end()
 
     def _dispatch(self, cp, pipe, bgroup, grid) -> None:
@@ -522,30 +547,56 @@ class DeviceRuntime:
         for a in (k, v):
             a.buffers()  # raises now if released or from a lost device
         timed = self._timing_setup()
+        # R36: a layer whose every per-call tensor is a device array (nothing to write from the
+        # host) and whose results stay on the device joins the device's open batch
+        per_call = sel if sparse is None else sparse[1]
+        batched = (device_out and not timed and self.be._layers_per_submission > 1
+                   and isinstance(per_call, DeviceArray))
         with device_errors(f"{fn} ({self.geometry['kernel']} kernel)", Tq=self.Tq, edges=self.emax):
-            enc = dev.create_command_encoder(label="paged_sparse_attn.layer")
-            # a device call's results: the combine writes them into the result buffer itself
+            # a device call's results: the combine writes them into the result buffer itself, and
+            # (decode) psa_handoff.wgsl the error words
             res_buf = self._result_buffer() if device_out else None
             bg_merge = self._merge_into(res_buf) if device_out else None
-            if sparse is None:
-                self._encode(enc, q, k, v, sel, bg_merge=bg_merge)
-            else:
-                self._encode_sparse(enc, q, k, v, *sparse, bg_merge=bg_merge)
-            dst = res_buf if device_out else self.rb
-            if bg_merge is None:
-                enc.copy_buffer_to_buffer(self.out, 0, dst, 0, self.o_bytes)
-                enc.copy_buffer_to_buffer(self.oml, 0, dst, self.o_bytes, self.ml_bytes)
-            enc.copy_buffer_to_buffer(self.args, 48, dst, self.o_bytes + self.ml_bytes, 8)
-            if timed:
-                self._timings(enc, sparse is not None)
+            handoff = self._handoff(res_buf) if device_out and self.decode and not timed else None
+            batch = open_batch(self.ctx) if batched else None
+            enc = batch.encoder if batched else dev.create_command_encoder(label="paged_sparse_attn.layer")
+            try:
+                if batched:
+                    batch.recording = True  # (a queue operation now would be a bug: _batch.flush raises)
+                if sparse is None:
+                    self._encode(enc, q, k, v, sel, bg_merge=bg_merge, handoff=handoff)
+                else:
+                    self._encode_sparse(enc, q, k, v, *sparse, bg_merge=bg_merge, handoff=handoff)
+                dst = res_buf if device_out else self.rb
+                if bg_merge is None:
+                    enc.copy_buffer_to_buffer(self.out, 0, dst, 0, self.o_bytes)
+                    enc.copy_buffer_to_buffer(self.oml, 0, dst, self.o_bytes, self.ml_bytes)
+                if handoff is None:
+                    enc.copy_buffer_to_buffer(self.args, 48, dst, self.o_bytes + self.ml_bytes, 8)
+                    if self.decode:  # zero for the next call, which may hand them over without a clear
+                        enc.clear_buffer(self.args, 48, 16)
+                if timed:
+                    self._timings(enc, sparse is not None)
+            except BaseException as exc:
+                if batched:  # the open batch is incomplete: dropped, its calls raise when read
+                    drop(self.ctx, exc)
+                raise
+            if batched:
+                batch.recording = False
             t1 = time.perf_counter()
-            dev.queue.submit([enc.finish()])
+            if not batched:
+                dev.queue.submit([enc.finish()])
+            else:
+                batch.layers += 1
+                if batch.layers >= self.be._layers_per_submission:
+                    flush(self.ctx)
             t2 = time.perf_counter()
             if device_out:
-                self.be.last_timings = dict(timings, encode_s=t1 - t0, submit_s=t2 - t1, total_s=t2 - t0)
+                self.be.last_timings = dict(timings, encode_s=t1 - t0, submit_s=t2 - t1, total_s=t2 - t0,
+                                            batched=batched)
                 res = CallResult(self.be, res_buf, self.Tq, self.Hq, self.D, fn=fn, num_kv_heads=L.num_kv_heads,
                                  msb=L.msb, generation=self.generation, recycle=self._recycle,
-                                 reader=self._read_results)
+                                 reader=self._read_results, batch=batch)
                 return res.tensors()
             n = self.o_bytes + self.ml_bytes + 8
             try:
@@ -595,7 +646,9 @@ class DeviceRuntime:
                 dev.queue.submit([enc.finish()])
                 edges = np.frombuffer(dev.queue.read_buffer(self.edges, 0, 24 * self.emax), np.int32).reshape(6, -1)
                 merge = np.frombuffer(dev.queue.read_buffer(self.merge, 0, 4 * (self.R + 1 + self.emax)), np.int32)
-                err = np.frombuffer(dev.queue.read_buffer(self.args, 48, 8), np.uint32)
+                err = np.frombuffer(dev.queue.read_buffer(self.args, 48, 8), np.uint32).copy()
+                if self.decode:  # zero for a later call that hands them over without a clear
+                    dev.queue.write_buffer(self.args, 48, np.zeros(4, np.uint32))
         if int(err[0]):
             raise SpecError(error_message(fn, int(err[0]), int(err[1]), L.num_kv_heads, L.msb), "R6")
         E = int(merge[self.R])
@@ -729,7 +782,7 @@ class DeviceRuntime:
         self.sparse = sp
         return sp
 
-    def _encode_sparse(self, enc, q, k, v, sp, index_q, ik, bg_merge=None) -> None:
+    def _encode_sparse(self, enc, q, k, v, sp, index_q, ik, bg_merge=None, handoff=None) -> None:
         L = self.layout
         calls = sp.calls
         if isinstance(index_q, DeviceArray):
@@ -745,7 +798,7 @@ class DeviceRuntime:
         if not sp.once:
             enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
         timed = self._ts(2) is not None
-        if self.decode and not timed:
+        if self.decode and not timed and handoff is None:
             enc.clear_buffer(self.args, 48, 16)  # (the attention's error words: its pass is this one)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(2))
         for i, (pipe, bgroup, grid) in enumerate(calls):  # block scores, then the top-k into the selection
@@ -758,4 +811,4 @@ class DeviceRuntime:
             cp = None
         # untimed decode: the attention's dispatches continue the same pass (dispatches of a pass
         # run in order); otherwise _encode ends it and begins its own after its clears
-        self._encode(enc, q, k, v, None, groups=sp.groups, cp=cp, bg_merge=bg_merge)
+        self._encode(enc, q, k, v, None, groups=sp.groups, cp=cp, bg_merge=bg_merge, handoff=handoff)

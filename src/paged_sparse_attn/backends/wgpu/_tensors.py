@@ -136,8 +136,9 @@ class CallResult:
     """
 
     def __init__(self, backend, buffer, Tq: int, Hq: int, D: int, *, fn: str, num_kv_heads: int, msb: int,
-                 generation: int, recycle=None, reader=None):
+                 generation: int, recycle=None, reader=None, batch=None):
         self.backend = backend
+        self._batch = batch  # the open batch that recorded the call's work (R36), or None
         self._buffer = buffer
         self.rows = Tq * Hq
         self.o_bytes = self.rows * D * 4
@@ -185,6 +186,11 @@ class CallResult:
             if self._generation != self.backend._generation:
                 raise DeviceError(f"wgpu backend: the results of {self.fn}() belong to a device that was "
                                   "lost or closed")
+            if self._batch is not None and self._batch.failed is not None:
+                exc = self._batch.failed
+                raise DeviceError(f"wgpu backend: the work of this {self.fn}() call was recorded with later calls "
+                                  f"and dropped when one of them failed ({type(exc).__name__}: {exc}); its results "
+                                  "were never computed [R36]")
             if self._reader is not None:
                 return self._reader(self._buffer, ranges)
             return [self.backend._read_range(self._buffer, off, n) for off, n in ranges]
