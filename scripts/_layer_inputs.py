@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, _index_inputs, _plan
 from paged_sparse_attn.bench.workloads import make_problem
 
-__all__ = ["add_arguments", "decode_calls", "layer_inputs", "on_device", "timed_loops"]
+__all__ = ["add_arguments", "decode_calls", "layer_inputs", "on_device", "run_decode", "timed_loops"]
 
 
 def add_arguments(ap) -> None:
@@ -79,3 +79,15 @@ def timed_loops(calls: dict, sync, rounds: int, layers: int = 32) -> dict:
             if rnd:
                 acc[w].append(((t2 - t0) / layers * 1e6, (t1 - t0) / layers * 1e6))
     return {w: np.array(v) for w, v in acc.items()}
+
+
+def run_decode(run, names: list[str]) -> None:
+    """``run(name, lw, prob, iqs, ik, res)`` for each backend name on the decode workload, each
+    filling ``res`` with per-round ``[wall, host]`` seconds per layer by key; then the medians."""
+    lw, prob, iqs, ik = layer_inputs("decode")
+    res: dict = {}
+    for name in names:
+        run(name, lw, prob, iqs, ik, res)
+    for k, v in res.items():
+        m = np.median(np.array(v), axis=0)
+        print("median", k, f"{m[0] * 1e6:.1f} us/layer, host {m[1] * 1e6:.1f}")

@@ -16,7 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _layer_inputs import decode_calls, layer_inputs, on_device
+from _layer_inputs import decode_calls, on_device, run_decode
 
 from paged_sparse_attn import registry
 
@@ -61,15 +61,5 @@ def run(name: str, lw, prob, iqs, ik, res: dict) -> None:
     plan.close()
 
 
-def main(names: list[str]) -> None:
-    lw, prob, iqs, ik = layer_inputs("decode")
-    res: dict = {}
-    for name in names:
-        run(name, lw, prob, iqs, ik, res)
-    for k, v in res.items():
-        m = np.median(np.array(v), axis=0)
-        print("median", k, f"{m[0] * 1e6:.1f} us/layer, host {m[1] * 1e6:.1f}")
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["wgpu", "dawn"])
+    run_decode(run, sys.argv[1:] or ["wgpu", "dawn"])
