@@ -39,6 +39,17 @@ EDITS = {
     "no K/V reads from the cache (zeros staged)": [
         ("                u = k_cache[row + x - k * D8];", "                u = vec4<u32>(row & 0u);"),
         ("                u = v_cache[row + x - k * D8];", "                u = vec4<u32>(row & 0u);")],
+    # finer parts of the per-item work (each alone left out)
+    "no query loads (zeros split)": [("        v = q[row_q[r] + x - r * QV];", "        v = vec4<f32>(f32(row_q[r] & 0u));")],
+    "no K/V tile stores but one half per unit": [
+        ("    hmem[b + 1u] = h0.y;\n    hmem[b + 2u] = h1.x;\n    hmem[b + 3u] = h1.y;\n    hmem[b + 4u] = h2.x;\n"
+         "    hmem[b + 5u] = h2.y;\n    hmem[b + 6u] = h3.x;\n    hmem[b + 7u] = h3.y;\n", "")],
+    "no score rescale pass": [("                sbuf[i] = (sbuf[i] * row_down[r]) * params.scale;\n", "")],
+    "no exp in the softmax": [("                p = select(exp(sc - m_new), REMOVED, is_ninf(sc));",
+                               "                p = select(sc - m_new, REMOVED, is_ninf(sc));")],
+    "no P tile stores": [("            hmem[r * PSTR + k] = f16(h);\n            hmem[RMAX * HS + r * PSTR + k] = f16(p - h);\n", "")],
+    "no partial rows written": [("        o_out[(prow0 + r) * D + d] = o;",
+                                 "        if (o == 1234.5) { o_out[(prow0 + r) * D + d] = o; }")],
 }
 
 
