@@ -1,4 +1,5 @@
-"""The device-resident runtime of a plan (R32) on the wgpu backend: one submission per layer.
+"""The device-resident runtime of a plan (R32) on the wgpu backend: one command encoder per layer, or
+several layers per encoder and submission on device arrays (R36, ``_batch.py``).
 
 Made once per batch layout (``make_runtime``): every buffer, bind group and
 pipeline a layer needs. A layer then encodes
@@ -13,6 +14,12 @@ pipeline a layer needs. A layer then encodes
 4. pass B: the partials kernel (indirect dispatch) and the combine (``psa_merge.wgsl``);
 5. the results: copied into a new device buffer (device ``q``: the results stay there, R30) or
    into the plan's readback buffer, mapped once (host ``q``).
+
+A layer whose every per-call tensor is a device array is recorded into the device's open batch
+(``_batch.open_batch``) instead of an encoder of its own, and submitted with the layers around
+it (every ``layers_per_submission``, or before the next use of the queue); a decode layer with
+device results ends its pass with ``psa_handoff.wgsl`` (the R6 error words into its results)
+instead of clearing the words before the pass and copying them after it.
 
 No numpy over Tq or E runs per layer; the only allocation is the result buffer of a device call.
 The caches must be device-resident (``upload_kv_cache``) and each fit one storage binding; other
