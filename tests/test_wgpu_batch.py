@@ -151,3 +151,24 @@ def test_R36_synchronize_submits_the_open_batch(WgpuBackend):
 def test_R36_layers_per_submission_is_checked(WgpuBackend, bad):
     with pytest.raises(ValueError, match=r"layers_per_submission.*\[R36\]"):
         WgpuBackend(layers_per_submission=bad)
+
+
+def test_R36_a_backend_dropped_with_a_batch_open_holds_no_destruction_back(WgpuBackend):
+    """Buffers wait for open batches before they are destroyed; a batch left open by a backend
+    nobody closed must not make every later destruction wait (the open batches are held weakly)."""
+    from paged_sparse_attn.backends.wgpu import _batch
+
+    be = WgpuBackend(layers_per_submission=8)
+    c = _decode(16)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = _plan(be, c)
+    sd, qd = be.asarray(c["sel"]), be.asarray(c["qs"][0])
+    plan.run(qd, kd, vd, sd)
+    key = id(be.device_context)
+    assert _batch._open.get(key) is be.device_context
+    others = len(_batch._open) - 1  # (batches other tests' backends may have left open)
+    del be, kd, vd, plan, sd, qd
+    gc.collect()
+    assert key not in _batch._open and len(_batch._open) == others
+    if not others:
+        assert not _batch.retire([])  # nothing open: a destruction happens at once

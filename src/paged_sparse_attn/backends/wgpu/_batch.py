@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any
 
 __all__ = ["Batch", "DeviceView", "FlushingQueue", "drop", "flush", "open_batch", "retire"]
@@ -30,7 +31,9 @@ __all__ = ["Batch", "DeviceView", "FlushingQueue", "drop", "flush", "open_batch"
 # buffers whose destruction waits for the open batches (finalizers run at any time; a command a
 # batch recorded may still use them); destroyed when no batch is open any more
 _held: list = []
-_open = 0  # batches recorded and not yet submitted, on every device
+# the device contexts with a batch recorded and not yet submitted (weakly: a context dropped with
+# its batch open, by a backend nobody closed, must not hold every later destruction back)
+_open: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(ctx) -> ctx
 # guards the two above: backends of different devices (each with its lock) may open, submit and
 # retire at once, and finalizers run in any thread (re-entrant: one may run inside these functions)
 _state = threading.RLock()
@@ -95,22 +98,19 @@ class DeviceView:
 
 def open_batch(ctx: Any) -> Batch:
     """The device's open batch (a new encoder when there is none)."""
-    global _open
     b = ctx.batch
     if b is None:
         b = Batch(ctx.device.raw.create_command_encoder(label="paged_sparse_attn.layers"))
         with _state:
             ctx.batch = b
-            _open += 1
+            _open[id(ctx)] = ctx
     return b
 
 
 def _close(ctx: Any) -> Batch | None:
-    global _open
     with _state:
         b, ctx.batch = ctx.batch, None
-        if b is not None:
-            _open -= 1
+        _open.pop(id(ctx), None)
     return b
 
 
@@ -144,15 +144,16 @@ def retire(buffers) -> bool:
     """Hold ``buffers`` for destruction after the open batches are submitted; False (nothing
     held) when no batch is open."""
     with _state:
-        if not _open:
-            return False
-        _held.extend(buffers)
-        return True
+        if len(_open):
+            _held.extend(buffers)
+            return True
+    _release_held()  # (what an open batch of a context since collected still held)
+    return False
 
 
 def _release_held() -> None:
     with _state:
-        if _open:
+        if len(_open):
             return
         doomed = list(_held)
         _held.clear()
