@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from paged_sparse_attn.backends.wgpu import _kernels, _shaders
 
-__all__ = ["SOURCES", "add_arguments", "original", "register", "use"]
+__all__ = ["SOURCES", "add_arguments", "original", "print_medians", "register", "use"]
 
 SOURCES: dict[str, str] = {}
 _orig_read = _shaders._read
@@ -59,3 +59,12 @@ def add_arguments(ap, rounds: int) -> None:
                     help="also the working tree's kernels on a Dawn device without bounds checks")
     ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--calls", type=int, default=8)
+
+
+def print_medians(res: dict, width: int = 46) -> None:
+    """The median of each variant's rounds, ``res`` = {label: [seconds, ...]}, in milliseconds."""
+    import numpy as np
+
+    print("medians:")
+    for label, ts in res.items():
+        print(f"  {label:{width}s} {np.median(ts) * 1e3:7.3f} ms")

@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _layer_inputs as li
-from _wgsl_variants import original, register
+from _wgsl_variants import original, print_medians, register
 
 from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu import _kernels, _sgmat
@@ -88,9 +88,7 @@ def main() -> int:
                 be.close()
     register(BASE, src0, row)
     _sgmat.HCAP, _sgmat.SCAP, _sgmat._candidates = hcap0, scap0, cand0
-    print("medians:")
-    for label, ts in res.items():
-        print(f"  {label:44s} {np.median(ts) * 1e3:7.3f} ms")
+    print_medians(res, 44)
     return 0
 
 

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _layer_inputs as li
-from _wgsl_variants import original, register
+from _wgsl_variants import original, print_medians, register
 
 from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu import _kernels
@@ -50,7 +50,6 @@ EDITS = {
     "no P tile stores": [("            hmem[r * PSTR + k] = f16(h);\n            hmem[RMAX * HS + r * PSTR + k] = f16(p - h);\n", "")],
     "no partial rows written": [("        o_out[(prow0 + r) * D + d] = o;",
                                  "        if (o == 1234.5) { o_out[(prow0 + r) * D + d] = o; }")],
-}\n")],
 }
 
 
@@ -89,9 +88,7 @@ def main() -> int:
             finally:
                 be.close()
     register(BASE, src0, row)
-    print("medians:")
-    for label, ts in res.items():
-        print(f"  {label:46s} {np.median(ts) * 1e3:7.3f} ms")
+    print_medians(res, 46)
     return 0
 
 
