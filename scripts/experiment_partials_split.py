@@ -50,6 +50,13 @@ EDITS = {
     "no P tile stores": [("            hmem[r * PSTR + k] = f16(h);\n            hmem[RMAX * HS + r * PSTR + k] = f16(p - h);\n", "")],
     "no partial rows written": [("        o_out[(prow0 + r) * D + d] = o;",
                                  "        if (o == 1234.5) { o_out[(prow0 + r) * D + d] = o; }")],
+    # not a part left out: the rows' largest |q| reduced per subgroup, one atomic per row and
+    # subgroup instead of one per lane (right where a subgroup's 32 units are one row: D = 128)
+    "query maxima by subgroup (same results)": [
+        ("diagnostic(off, chromium.subgroup_matrix_uniformity);\n",
+         "diagnostic(off, chromium.subgroup_matrix_uniformity);\ndiagnostic(off, subgroup_uniformity);\n"),
+        ("    atomicMax(&row_qmax[x / QV], mb);\n",
+         "    let mw = subgroupMax(mb);\n    if ((x & 31u) == 0u) {\n        atomicMax(&row_qmax[x / QV], mw);\n    }\n")],
 }
 
 
