@@ -60,6 +60,10 @@ REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment;
 # uniform records of the consts buffer
 R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
 POOL = 8  # result buffers kept for reuse
+# the R6 error words in the args buffer (psa_invert.wgsl's args[12], args[13]: a flag and the
+# first bad row), with the two words after them: cleared together
+ERR_AT = 48
+ERR_SPAN = 16
 # bind groups a plan keeps by the buffers they bind, least recently used evicted: a model's
 # layers each bring their own queries (and index queries), so the cache must hold a bind group
 # per layer and tensor of a whole model step; too few and every layer makes new ones (32 did,
@@ -401,7 +405,7 @@ class DeviceRuntime:
         if sel is not None:
             self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
         enc.clear_buffer(self.work, 0, self.work_bytes)
-        enc.clear_buffer(self.args, 48, 16)
+        self._clear_errors(enc)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         self._dispatch(cp, self.p_inv["mark"][0], bg_rows, self.grids["rows"])
         self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan1, self.grids["scan1"])
@@ -481,7 +485,7 @@ class DeviceRuntime:
         its own."""
         if cp is None:
             if handoff is None:
-                enc.clear_buffer(self.args, 48, 16)
+                self._clear_errors(enc)
             cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
         if self._ts(0) is not None:
@@ -492,6 +496,10 @@ class DeviceRuntime:
         if handoff is not None:
             self._dispatch(cp, self.p_hand[0], handoff, (1, 1))
         cp.end()
+
+    def _clear_errors(self, enc) -> None:
+        """Zero the R6 error words before a pass that may set them (``ERR_AT``)."""
+        enc.clear_buffer(self.args, ERR_AT, ERR_SPAN)
 
     def _dispatch(self, cp, pipe, bgroup, grid) -> None:
         if self.rec is not None:
@@ -579,9 +587,9 @@ class DeviceRuntime:
                     enc.copy_buffer_to_buffer(self.out, 0, dst, 0, self.o_bytes)
                     enc.copy_buffer_to_buffer(self.oml, 0, dst, self.o_bytes, self.ml_bytes)
                 if handoff is None:
-                    enc.copy_buffer_to_buffer(self.args, 48, dst, self.o_bytes + self.ml_bytes, 8)
+                    enc.copy_buffer_to_buffer(self.args, ERR_AT, dst, self.o_bytes + self.ml_bytes, 8)
                     if self.decode:  # zero for the next call, which may hand them over without a clear
-                        enc.clear_buffer(self.args, 48, 16)
+                        self._clear_errors(enc)
                 if timed:
                     self._timings(enc, sparse is not None)
             except BaseException as exc:
@@ -653,9 +661,9 @@ class DeviceRuntime:
                 dev.queue.submit([enc.finish()])
                 edges = np.frombuffer(dev.queue.read_buffer(self.edges, 0, 24 * self.emax), np.int32).reshape(6, -1)
                 merge = np.frombuffer(dev.queue.read_buffer(self.merge, 0, 4 * (self.R + 1 + self.emax)), np.int32)
-                err = np.frombuffer(dev.queue.read_buffer(self.args, 48, 8), np.uint32).copy()
+                err = np.frombuffer(dev.queue.read_buffer(self.args, ERR_AT, 8), np.uint32).copy()
                 if self.decode:  # zero for a later call that hands them over without a clear
-                    dev.queue.write_buffer(self.args, 48, np.zeros(4, np.uint32))
+                    dev.queue.write_buffer(self.args, ERR_AT, np.zeros(ERR_SPAN // 4, np.uint32))
         if int(err[0]):
             raise SpecError(error_message(fn, int(err[0]), int(err[1]), L.num_kv_heads, L.msb), "R6")
         E = int(merge[self.R])
@@ -806,7 +814,7 @@ class DeviceRuntime:
             enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
         timed = self._ts(2) is not None
         if self.decode and not timed and handoff is None:
-            enc.clear_buffer(self.args, 48, 16)  # (the attention's error words: its pass is this one)
+            self._clear_errors(enc)  # (the attention's error words: its pass is this one)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(2))
         for i, (pipe, bgroup, grid) in enumerate(calls):  # block scores, then the top-k into the selection
             if i == sp.n_score_calls and self._ts(3) is not None:  # timed: the top-k in a pass of its own
