@@ -44,7 +44,7 @@ def geometry(spec: str):
     def pick(ctx, D, block_size, rows_needed):
         BK = -(-block_size // TK) * TK
         WG = _sgmat.SUBGROUP * nsg
-        if not _sgmat._fits(D, R, TK, BK, nsg) or _sgmat.sgmat_workgroup_bytes(D, R, BK, WG) > ctx.workgroup_storage:
+        if not _sgmat._fits(D, R, TK, BK, nsg) or _sgmat.sgmat_workgroup_bytes(D, R, BK) > ctx.workgroup_storage:
             raise SystemExit(f"--geometry {spec}: does not fit the kernel's rules or the device")
         return R, TK, BK, WG
     return pick

@@ -79,7 +79,7 @@ def main() -> int:
                     ref = out
                 diff = float(np.nanmax(np.abs(out - ref))) if out.shape == ref.shape else float("nan")
                 same = bool(np.array_equal(out, ref, equal_nan=True))
-                nb = _sgmat.sgmat_workgroup_bytes(D, R, BK, 32 * nsg)
+                nb = _sgmat.sgmat_workgroup_bytes(D, R, BK)
                 res.setdefault(label, []).append(t)
                 print(f"round {r}: {label:44s} {t * 1e3:7.3f} ms  workgroup {nb} B "
                       f"({SM_BYTES // (nb + 1024)} per SM)  kernel {geo.get('kernel')} RMAX {geo.get('RMAX')} "

@@ -34,12 +34,16 @@
 //      tile whose readable K holds NaN or +-inf (or an item with the FMA flag) computes its
 //      scores with f32 FMAs from the f32 q instead: the FMA kernel's scores, in its order.
 //   2. Softmax of the whole block (f32, as psa_partials.wgsl step 3 over one tile of max_len
-//      keys): m = max over attended scores (R26: -inf removes its position, NaN is kept), p =
-//      exp(s - m) in place (REMOVED = -1: removed; 0: not attended), l = sum p. One block is one
-//      tile of the online softmax (R14): o is never rescaled, so it stays in registers.
-//   3. o = P V, a V tile of TK keys at a time, with P split like Q (hi = hi11(p), lo =
-//      f16(p - hi)) into two products. Accumulators stay in subgroup-matrix registers for the
-//      whole item; each subgroup owns one 16-row block and NDT 16-column blocks of o.
+//      keys), SL consecutive lanes per row: m = max over attended scores (R26: -inf removes its
+//      position, NaN is kept), p = exp(s - m) (REMOVED = -1: removed; 0: not attended), l = sum
+//      p, the lanes' maxima and sums combined by shuffles. Each weight is written at once, split
+//      like Q (hi = hi11(p), lo = f16(p - hi); 0 for a removed weight or a NaN row), into the
+//      block's P hi / P lo where Q was; the scores stay (the rare path of step 3 forms a weight
+//      again from its score). One block is one tile of the online softmax (R14): o is never
+//      rescaled, so it stays in registers.
+//   3. o = P V, a V tile of TK keys at a time, as two products (P hi V + P lo V). Accumulators
+//      stay in subgroup-matrix registers for the whole item; each subgroup owns one 16-row
+//      block and NDT 16-column blocks of o.
 //   4. o is staged through workgroup memory and the item's rows are written out.
 // Every K/V tile's global loads are issued into registers one tile ahead (the next K tile, then
 // the first V tile during the last K tile and the softmax, then the next V tile), the first K
@@ -59,7 +63,7 @@
 //     max(p, 0), which drops a NaN (measured on the H200 through Dawn).
 //
 // Determinism (R19): the order of every sum is fixed by the constants (tiles, subgroup-matrix
-// products in k order, the softmax's strided partial sums reduced in a fixed order).
+// products in k order, the softmax's strided partial sums reduced by a fixed butterfly).
 //
 // Override constants
 //   D     head dim (multiple of 16)         S    page size
@@ -71,14 +75,17 @@
 //         score tiles of a K tile are dealt out to the subgroups (some idle when there are fewer)
 //   LD, LQ (derived) K/V and query units an invocation holds in registers: at most 8 each
 // Workgroup memory (bytes, each variable rounded to 16): 2 * HCAP + 4 * SCAP + 4 * BK
-//   + 6 * 4 * RMAX + 3 * 4 * WG + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes:
-//   46912 for D = 128, RMAX = 32, BK = 128 and WG = 128; 48448 with WG = 256). The host checks
-//   2 * RMAX * HS + TK * HS <= HCAP and RMAX * SB <= SCAP, HS = D + 8, SB = max(BK, D) + 4.
+//   + 6 * 4 * RMAX + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes: 45376 for
+//   D = 128, RMAX = 32 and BK = 128, whatever WG). The host checks
+//   2 * RMAX * max(HS, PB) + TK * HS <= HCAP and RMAX * SB <= SCAP, HS = D + 8, PB = BK + 8,
+//   SB = max(BK, D) + 4.
 
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
 // uniformity, and the tile offsets derive from the subgroup index tid / 32 (uniform within a
-// subgroup of 32 consecutive invocations, which the host requires).
+// subgroup of 32 consecutive invocations, which the host requires). The softmax's shuffles run
+// where every invocation of the workgroup does (after the item's workgroup-uniform return).
 diagnostic(off, chromium.subgroup_matrix_uniformity);
+diagnostic(off, subgroup_uniformity);
 
 override D: u32;
 override S: u32;
@@ -90,14 +97,15 @@ override WG: u32 = 128u;
 override TD: u32 = D / 4u;                 // vec4<f16> per cache row (the Params' slab units)
 override D8: u32 = D / 8u;                 // vec4<u32> (8 halves) per cache row
 override HS: u32 = D + 8u;                 // f16 row stride of the Q and K/V tiles (16-byte rows)
-override PSTR: u32 = TK + 8u;              // f16 row stride of the P tile (inside the Q area)
+override PB: u32 = BK + 8u;                // f16 row stride of the block's P hi / P lo (in the Q area)
+override QA: u32 = max(HS, PB);           // f16 row stride of the Q / P area (rows of both fit)
 override SB: u32 = max(BK, D) + 4u;        // f32 row stride of the score / o tile
 override NSG: u32 = WG / 32u;              // subgroups
 override NRB: u32 = RMAX / 16u;            // 16-row blocks
 override CS: u32 = NSG / NRB;              // subgroups per row block
 override NDT: u32 = D / 16u / CS;          // 16-column blocks of o per subgroup
 override NST: u32 = (NRB * (TK / 16u) + NSG - 1u) / NSG;  // 16x16 score tiles per subgroup and K tile
-override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row
+override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row (a power of two, <= 32: one butterfly)
 override NPW: u32 = D / 16u;               // poison words per row (2 bits per column)
 override QV: u32 = D / 4u;                 // vec4 per query row
 override LD: u32 = (TK * D8 + WG - 1u) / WG;  // K/V units per invocation and tile (<= 8)
@@ -127,11 +135,11 @@ struct Params {
 
 // The arrays the subgroup matrices load from and store to have constant sizes (the builtins take
 // no override-sized array): capacities for the largest geometry the host picks within 48 KiB;
-// the host checks 2 * RMAX * HS + TK * HS <= HCAP and RMAX * SB <= SCAP.
-const HCAP: u32 = 13056u;  // f16: Q hi at 0, Q lo at RMAX * HS ([row][d]) in step 1, P hi / P lo
-                           // there ([row][key], stride PSTR) in step 3; the K or V tile at KVO
-const SCAP: u32 = 4224u;   // f32: scores, then p, then o ([row][position or d], stride SB)
-override KVO: u32 = 2u * RMAX * HS;
+// the host checks 2 * RMAX * max(HS, PB) + TK * HS <= HCAP and RMAX * SB <= SCAP.
+const HCAP: u32 = 13056u;  // f16: Q hi at 0, Q lo at RMAX * QA ([row][d], stride HS) in step 1, P hi
+                           // / P lo there ([row][key], stride PB) from step 2; the K or V tile at KVO
+const SCAP: u32 = 4224u;   // f32: scores, then o ([row][position or d], stride SB)
+override KVO: u32 = 2u * RMAX * QA;
 var<workgroup> hmem: array<f16, HCAP>;
 var<workgroup> sbuf: array<f32, SCAP>;
 var<workgroup> key_src: array<u32, BK>;             // vec4<u32> index of each position's cache row, or INVALID
@@ -141,9 +149,6 @@ var<workgroup> row_down: array<f32, RMAX>;          // 2^-e of the row's query s
 var<workgroup> row_m: array<f32, RMAX>;
 var<workgroup> row_l: array<f32, RMAX>;
 var<workgroup> row_qmax: array<atomic<u32>, RMAX>;  // bits of the row's largest |q|
-var<workgroup> red_m: array<f32, WG>;
-var<workgroup> red_f: array<u32, WG>;
-var<workgroup> red_l: array<f32, WG>;
 var<workgroup> poison: array<atomic<u32>, RMAX * NPW>;
 var<workgroup> q_bad: u32;      // 1: a query of the item holds NaN or +-inf (FMA scores)
 var<workgroup> flag0: u32;      // 1: the tile holds NaN or +-inf at a readable position;
@@ -292,7 +297,7 @@ fn q_split(x: u32, v: vec4<f32>) {
     hmem[b + 1u] = hi.y;
     hmem[b + 2u] = hi.z;
     hmem[b + 3u] = hi.w;
-    let bl = RMAX * HS + b;
+    let bl = RMAX * QA + b;
     hmem[bl] = lo.x;
     hmem[bl + 1u] = lo.y;
     hmem[bl + 2u] = lo.z;
@@ -484,7 +489,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     let d0 = 16u * j;
                     let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, col_major>(&hmem, KVO + kt * 16u * HS + d0, HS);
                     let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * HS + d0, HS);
-                    let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * HS + rb * 16u * HS + d0, HS);
+                    let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * QA + rb * 16u * HS + d0, HS);
                     acc = subgroupMatrixMultiplyAccumulate(ah, b, acc);
                     acc = subgroupMatrixMultiplyAccumulate(al, b, acc);
                 }
@@ -550,21 +555,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
     }
-    red_m[tid] = lmax;
-    red_f[tid] = select(0u, 1u, seen);
-    workgroupBarrier();
-    var m_new = 0.0;
-    var found = false;
-    for (var i = 0u; i < SL; i++) {
-        let t = sr * SL + i;
-        if (t < WG && red_f[t] != 0u) {
-            m_new = select(red_m[t], nan_max(m_new, red_m[t]), found);
-            found = true;
+    // the row's SL invocations are consecutive lanes of one subgroup: a butterfly over them
+    var m_new = lmax;
+    var found = seen;
+    for (var j = 0u; j < 5u; j++) {  // lane distances SL / 2, SL / 4, ..., 1 (SL <= 32)
+        let o = (SL / 2u) >> j;
+        if (o == 0u) {
+            break;  // (uniform: o depends on constants only)
         }
+        let mo = subgroupShuffleXor(m_new, o);
+        let fo = subgroupShuffleXor(select(0u, 1u, found), o) != 0u;
+        m_new = select(select(m_new, mo, fo), nan_max(m_new, mo), found && fo);
+        found = found || fo;
     }
     var psum = 0.0;
     if (sr < RMAX) {
-        let nkm = (max_len + SL - 1u - sl) / SL;
+        // every position of the V tiles gets its weight (0 past max_len: V is 0 there)
+        let nkm = (nkt * TK + SL - 1u - sl) / SL;
         for (var j = 0u; j < nkm; j++) {
             let k = sl + j * SL;
             var p = 0.0;
@@ -572,21 +579,30 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let sc = sbuf[sr * SB + k];
                 p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
             }
-            sbuf[sr * SB + k] = p;
             if (!is_removed(p)) {
                 psum += p;  // (a NaN p stays in the sum)
             }
+            // the weight as the split P hi + P lo of step 3: a removed weight and a NaN row's
+            // (its o is made NaN at the end) enter the product as 0
+            var pm = p;
+            if (is_nan(p) || is_removed(p)) {
+                pm = 0.0;
+            }
+            let h = hi11(vec4<f32>(pm, 0.0, 0.0, 0.0)).x;
+            hmem[sr * PB + k] = f16(h);
+            hmem[RMAX * QA + sr * PB + k] = f16(pm - h);
         }
     }
-    red_l[tid] = psum;
-    workgroupBarrier();
-    if (sr < n_rows && sl == 0u && found) {
-        var sum = 0.0;
-        for (var i = 0u; i < SL; i++) {
-            sum += red_l[sr * SL + i];
+    for (var j = 0u; j < 5u; j++) {
+        let o = (SL / 2u) >> j;
+        if (o == 0u) {
+            break;
         }
+        psum += subgroupShuffleXor(psum, o);
+    }
+    if (sr < n_rows && sl == 0u && found) {
         row_m[sr] = m_new;
-        row_l[sr] = sum;
+        row_l[sr] = psum;
     }
 
     // 3. o += P V, a V tile at a time; accumulators in registers.
@@ -611,24 +627,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (LD > 7u) { tb = tb | store_unit(tid + 7u * WG, t7, 1u); }
         if (tb) {
             set_flag(par);
-        }
-        for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {
-            let x = tid + j * WG;
-            if (x >= RMAX * TK) {
-                break;
-            }
-            let r = x / TK;
-            let k = x - r * TK;
-            var p = 0.0;
-            if (k0 + k < max_len) {
-                p = sbuf[r * SB + k0 + k];
-            }
-            if (is_nan(p) || is_removed(p)) {
-                p = 0.0;  // removed, or a NaN row (its o is made NaN at the end)
-            }
-            let h = hi11(vec4<f32>(p, 0.0, 0.0, 0.0)).x;
-            hmem[r * PSTR + k] = f16(h);
-            hmem[RMAX * HS + r * PSTR + k] = f16(p - h);
         }
         var bad = 0u;
         if (par == 0u) {
@@ -666,8 +664,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         }
                         for (var r = 0u; r < n_rows; r++) {  // rolled: a rare path (as above)
                             if (k0 + k < min(row_len[r], max_len)) {
-                                let p = sbuf[r * SB + k0 + k];
-                                if (!is_removed(p)) {
+                                let sc = sbuf[r * SB + k0 + k];
+                                if (!is_ninf(sc)) {  // (not removed: the weight of step 2, again)
+                                    let p = exp(sc - row_m[r]);
                                     // 0 * inf = NaN (a weight that underflowed)
                                     let c = select(cls, 3u, p == 0.0);
                                     atomicOr(&poison[r * NPW + d / 16u], c << (2u * (d % 16u)));
@@ -681,8 +680,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         for (var j = 0u; j < TK / 16u; j++) {
             let kk = 16u * j;
-            let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * PSTR + kk, PSTR);
-            let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * HS + rb * 16u * PSTR + kk, PSTR);
+            let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * PB + k0 + kk, PB);
+            let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * QA + rb * 16u * PB + k0 + kk, PB);
             if (NDT > 0u) {
                 let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 0u) * 16u, HS);
                 acc0 = subgroupMatrixMultiplyAccumulate(ah, b, acc0);

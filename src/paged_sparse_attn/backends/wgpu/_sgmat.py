@@ -39,25 +39,26 @@ class SgmatGeometry(Geometry):
 
     @property
     def workgroup_bytes(self) -> int:
-        return sgmat_workgroup_bytes(self.D, self.RMAX, self.BK, self.WG)
+        return sgmat_workgroup_bytes(self.D, self.RMAX, self.BK)
 
     def constants(self) -> dict[str, int]:
         return {"D": self.D, "S": self.S, "TK": self.TK, "BK": self.BK, "RMAX": self.RMAX, "WG": self.WG}
 
 
-def sgmat_workgroup_bytes(D: int, RMAX: int, BK: int, WG: int) -> int:
-    """Workgroup memory of psa_partials_sgmat.wgsl (each variable rounded to 16 bytes)."""
+def sgmat_workgroup_bytes(D: int, RMAX: int, BK: int) -> int:
+    """Workgroup memory of psa_partials_sgmat.wgsl (each variable rounded to 16 bytes; the
+    workgroup size takes none: the softmax reduces with shuffles)."""
 
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    return (a(2 * HCAP) + a(4 * SCAP) + a(4 * BK) + 6 * a(4 * RMAX) + 3 * a(4 * WG)
+    return (a(2 * HCAP) + a(4 * SCAP) + a(4 * BK) + 6 * a(4 * RMAX)
             + a(4 * RMAX * (D // 16)) + 4 * 16)
 
 
 def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
     """The kernel's divisibility rules and constant capacities (see its header)."""
-    HS, SB = D + 8, max(BK, D) + 4
+    HS, PB, SB = D + 8, BK + 8, max(BK, D) + 4
     nrb = R // 16
     if TK > D or BK % TK or nsg % nrb:
         return False
@@ -67,7 +68,10 @@ def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
     wg = SUBGROUP * nsg
     if -(-TK * D // 8 // wg) > MAXLD or -(-R * D // 4 // wg) > MAXLD:  # K/V and query units in registers
         return False
-    return (2 * R + TK) * HS <= HCAP and R * SB <= SCAP
+    sl = wg // R  # softmax lanes per row: one butterfly within a subgroup
+    if sl & (sl - 1) or sl > SUBGROUP:
+        return False
+    return 2 * R * max(HS, PB) + TK * HS <= HCAP and R * SB <= SCAP
 
 
 def sgmat_ineligible(ctx, *, D: int, kv_itemsize: int, block_size: int, rows_needed: int) -> str | None:
@@ -103,7 +107,7 @@ def _candidates(ctx, D: int, block_size: int, rows_needed: int):
                 WG = SUBGROUP * nsg
                 if WG > ctx.max_invocations or not _fits(D, R, TK, BK, nsg):
                     continue
-                if sgmat_workgroup_bytes(D, R, BK, WG) <= ctx.workgroup_storage:
+                if sgmat_workgroup_bytes(D, R, BK) <= ctx.workgroup_storage:
                     return R, TK, BK, WG
     return None
 
