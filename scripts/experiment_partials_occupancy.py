@@ -57,7 +57,7 @@ def main() -> int:
     D, BK = prob["q"].shape[2], 128
     for r in range(a.rounds):
         for label, (R, TK, nsg, cut) in VARIANTS.items():
-            hcap = (2 * R + TK) * (D + 8) if cut else hcap0
+            hcap = 2 * R * max(D + 8, BK + 8) + TK * (D + 8) if cut else hcap0
             scap = R * (max(BK, D) + 4) if cut else scap0
             src = src0.replace(f"const HCAP: u32 = {hcap0}u;", f"const HCAP: u32 = {hcap}u;")
             src = src.replace(f"const SCAP: u32 = {scap0}u;", f"const SCAP: u32 = {scap}u;")

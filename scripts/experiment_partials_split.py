@@ -47,7 +47,8 @@ EDITS = {
     "no score rescale pass": [("                sbuf[i] = (sbuf[i] * row_down[r]) * params.scale;\n", "")],
     "no exp in the softmax": [("                p = select(exp(sc - m_new), REMOVED, is_ninf(sc));",
                                "                p = select(sc - m_new, REMOVED, is_ninf(sc));")],
-    "no P tile stores": [("            hmem[r * PSTR + k] = f16(h);\n            hmem[RMAX * HS + r * PSTR + k] = f16(p - h);\n", "")],
+    "no P stores (the softmax's split weights)": [
+        ("            hmem[sr * PB + k] = f16(h);\n            hmem[RMAX * QA + sr * PB + k] = f16(pm - h);\n", "")],
     "no partial rows written": [("        o_out[(prow0 + r) * D + d] = o;",
                                  "        if (o == 1234.5) { o_out[(prow0 + r) * D + d] = o; }")],
     # not a part left out: the rows' largest |q| reduced per subgroup, one atomic per row and
