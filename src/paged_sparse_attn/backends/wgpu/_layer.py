@@ -197,7 +197,7 @@ class DeviceRuntime:
                     "call forward() with host arrays (batched on the host) [R18]")
         gx_p = min(max_items, maxdim)
         kname = "decode" if decode else ("sgmat" if geom.kernel_name == "psa_partials_sgmat.wgsl" else "generic")
-        self.geometry = dict(kernel=kname, hpi=hpi, nh=nh, epi=epi, gx=gx_p)
+        self.geometry = {"kernel": kname, "hpi": hpi, "nh": nh, "epi": epi, "gx": gx_p}
 
         # the layout's data and every buffer, once
         st = U.STORAGE
@@ -276,7 +276,7 @@ class DeviceRuntime:
         self.p_hand = None  # psa_handoff.wgsl's pipeline, made by the first device call (_handoff)
         self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
-        self.grids = dict(rows=rows_grid, edges=edges_grid, scan1=g1, scan2=g2, merge=mg)
+        self.grids = {"rows": rows_grid, "edges": edges_grid, "scan1": g1, "scan2": g2, "merge": mg}
         self.decode = decode
         if decode:  # the direct mode's fixed parts: the partials' dispatch and params
             self.direct_grid = _grid(max_items, maxdim)
