@@ -1,0 +1,93 @@
+"""Experiment: the tensor-core prefill partials kernel (psa_partials_sgmat.wgsl) as it is against
+other versions of it: the file at git revisions (``--rev``) or in folders (``--variant``).
+
+Each version is registered under the kernel's own name for this process only and timed on the
+bench's prefill layer workload (B = 1, L = 32k, the last 4096 queries, causal, top-16 of
+128-token blocks, float16 caches) as the GPU time of a planned attention call's partials and
+combine (timestamps), each version on a fresh device, in alternating rounds; every output is
+compared bit for bit with every other version's (the largest difference when they differ). The
+host picks the geometry as it does now, so a version must take the same override constants.
+Run on a machine with Dawn and f16 subgroup matrices:
+
+    python scripts/experiment_partials_ab.py --rev e603a7a [--variant LABEL=DIR] [--rounds 2] [--calls 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _layer_inputs as li
+from _wgsl_variants import original, print_medians, register
+
+from paged_sparse_attn import registry
+from paged_sparse_attn.backends.wgpu import _kernels
+
+BASE = "psa_partials_sgmat.wgsl"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def versions(revs: list[str], folders: list[str]) -> dict[str, str]:
+    """{label: WGSL}: the working tree's kernel, then each revision's, then each folder's."""
+    out = {"as it is": original(BASE)}
+    for rev in revs:
+        out[f"at {rev}"] = subprocess.run(["git", "show", f"{rev}:shaders/{BASE}"], cwd=ROOT, check=True,
+                                          capture_output=True, text=True).stdout
+    for spec in folders:
+        label, _, folder = spec.partition("=")
+        out[label] = (Path(folder) / BASE).read_text()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", action="append", default=[], help="a git revision whose kernel to time (repeatable)")
+    ap.add_argument("--variant", action="append", default=[], help="LABEL=DIR: a folder holding the kernel file")
+    ap.add_argument("--backend", default="dawn")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=4)
+    a = ap.parse_args()
+    lw, prob, _, _ = li.layer_inputs("prefill")
+    srcs = versions(a.rev, a.variant)
+    row = _kernels.KERNEL_TABLE[BASE]
+    res: dict = {}
+    outs: dict = {}
+    try:
+        for r in range(a.rounds):
+            for label, src in srcs.items():
+                register(BASE, src, row)
+                be = type(registry.get_backend(a.backend))(timestamps=True)
+                try:
+                    d = li.on_device(be, lw, prob, layers=1)
+                    ts = []
+                    for i in range(a.calls + 1):
+                        out = d.plan.run(prob["q"], d.k, d.v, prob["selected"])  # host q: the call reads its timings
+                        if i:
+                            ts.append(be.last_timings.get("gpu_attention_s", np.nan))
+                    t = float(np.median(ts))
+                    res.setdefault(label, []).append(t)
+                    outs.setdefault(label, out)
+                    cmp = []
+                    for other, o in outs.items():
+                        if other != label:
+                            same = np.array_equal(out, o, equal_nan=True)
+                            cmp.append(f"{other}: " + ("same bits" if same else
+                                                       f"max diff {float(np.nanmax(np.abs(out - o))):.3g}"))
+                    print(f"round {r}: {label:24s} {t * 1e3:7.3f} ms  (kernel {d.plan._runtime.geometry.get('kernel')})"
+                          f"  {'; '.join(cmp)}", flush=True)
+                finally:
+                    be.close()
+    finally:
+        register(BASE, srcs["as it is"], row)
+    print_medians(res, 24)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
