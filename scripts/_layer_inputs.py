@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, _index_inputs, _plan
 from paged_sparse_attn.bench.workloads import make_problem
 
-__all__ = ["add_arguments", "decode_calls", "layer_inputs", "on_device", "run_decode", "timed_loops"]
+__all__ = ["add_arguments", "attention_gpu_time", "decode_calls", "layer_inputs", "on_device", "run_decode",
+           "timed_loops"]
 
 
 def add_arguments(ap) -> None:
@@ -53,6 +54,19 @@ def on_device(be, lw, prob, iqs=None, ik=None, layers: int = 32):
         be=be, k=k, v=v, plan=_plan(be, lw, prob), sel=be.asarray(prob["selected"]),
         q=[be.asarray(rng.standard_normal(prob["q"].shape, dtype=np.float32)) for _ in range(layers)],
         ik=be.upload_index_cache(ik) if ik is not None else None, iq=[be.asarray(x) for x in iqs or []])
+
+
+def attention_gpu_time(be, lw, prob, calls: int):
+    """``(median seconds, output, plan geometry)`` of ``calls`` planned attention calls of the
+    workload on a fresh device of ``be`` (one layer of queries; host ``q``, so that each call reads
+    its timestamps: ``gpu_attention_s``, the partials and combine), after one warm-up call."""
+    d = on_device(be, lw, prob, layers=1)
+    ts, out = [], None
+    for i in range(calls + 1):
+        out = d.plan.run(prob["q"], d.k, d.v, prob["selected"])
+        if i:
+            ts.append(be.last_timings.get("gpu_attention_s", np.nan))
+    return float(np.median(ts)), out, d.plan._runtime.geometry
 
 
 def decode_calls(d) -> dict:

@@ -64,13 +64,7 @@ def main() -> int:
                 register(BASE, src, row)
                 be = type(registry.get_backend(a.backend))(timestamps=True)
                 try:
-                    d = li.on_device(be, lw, prob, layers=1)
-                    ts = []
-                    for i in range(a.calls + 1):
-                        out = d.plan.run(prob["q"], d.k, d.v, prob["selected"])  # host q: the call reads its timings
-                        if i:
-                            ts.append(be.last_timings.get("gpu_attention_s", np.nan))
-                    t = float(np.median(ts))
+                    t, out, geo = li.attention_gpu_time(be, lw, prob, a.calls)
                     res.setdefault(label, []).append(t)
                     outs.setdefault(label, out)
                     cmp = []
@@ -79,7 +73,7 @@ def main() -> int:
                             same = np.array_equal(out, o, equal_nan=True)
                             cmp.append(f"{other}: " + ("same bits" if same else
                                                        f"max diff {float(np.nanmax(np.abs(out - o))):.3g}"))
-                    print(f"round {r}: {label:24s} {t * 1e3:7.3f} ms  (kernel {d.plan._runtime.geometry.get('kernel')})"
+                    print(f"round {r}: {label:24s} {t * 1e3:7.3f} ms  (kernel {geo.get('kernel')})"
                           f"  {'; '.join(cmp)}", flush=True)
                 finally:
                     be.close()

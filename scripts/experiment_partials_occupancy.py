@@ -66,15 +66,7 @@ def main() -> int:
             _sgmat._candidates = lambda ctx, D_, bs, rows, g=(R, TK, BK, 32 * nsg): g
             be = type(registry.get_backend("dawn"))(timestamps=True)
             try:
-                d = li.on_device(be, lw, prob, layers=1)
-                ts = []
-                out = None
-                for i in range(a.calls + 1):
-                    out = d.plan.run(prob["q"], d.k, d.v, prob["selected"])  # host q: the call reads its timings
-                    if i:
-                        ts.append(be.last_timings.get("gpu_attention_s", np.nan))
-                geo = d.plan._runtime.geometry
-                t = float(np.median(ts))
+                t, out, geo = li.attention_gpu_time(be, lw, prob, a.calls)
                 if ref is None:
                     ref = out
                 diff = float(np.nanmax(np.abs(out - ref))) if out.shape == ref.shape else float("nan")

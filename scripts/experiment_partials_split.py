@@ -81,14 +81,8 @@ def main() -> int:
             register(BASE, src, row)
             be = type(registry.get_backend("dawn"))(timestamps=True)
             try:
-                d = li.on_device(be, lw, prob, layers=1)
-                ts = []
-                for i in range(a.calls + 1):
-                    out = d.plan.run(prob["q"], d.k, d.v, prob["selected"])  # host q: the call reads its timings
-                    if i:
-                        ts.append(be.last_timings.get("gpu_attention_s", np.nan))
-                kern = d.plan._runtime.geometry.get("kernel")
-                t = float(np.median(ts))
+                t, out, geo = li.attention_gpu_time(be, lw, prob, a.calls)
+                kern = geo.get("kernel")
                 res.setdefault(label, []).append(t)
                 ref = outs.setdefault("as is", out) if label == "as is" else outs.get("as is")
                 same = "" if ref is None else f"  same bits as 'as is': {np.array_equal(out, ref, equal_nan=True)}"
