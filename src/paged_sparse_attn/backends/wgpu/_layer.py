@@ -61,8 +61,9 @@ REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment;
 R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
 POOL = 8  # result buffers kept for reuse
 # the R6 error words in the args buffer (psa_invert.wgsl's args[12], args[13]: a flag and the
-# first bad row), with the two words after them: cleared together
+# first bad row; ERR_BYTES read or handed over), with the two words after them (ERR_SPAN cleared)
 ERR_AT = 48
+ERR_BYTES = 8
 ERR_SPAN = 16
 # bind groups a plan keeps by the buffers they bind, least recently used evicted: a model's
 # layers each bring their own queries (and index queries), so the cache must hold a bind group
@@ -587,7 +588,7 @@ class DeviceRuntime:
                     enc.copy_buffer_to_buffer(self.out, 0, dst, 0, self.o_bytes)
                     enc.copy_buffer_to_buffer(self.oml, 0, dst, self.o_bytes, self.ml_bytes)
                 if handoff is None:
-                    enc.copy_buffer_to_buffer(self.args, ERR_AT, dst, self.o_bytes + self.ml_bytes, 8)
+                    enc.copy_buffer_to_buffer(self.args, ERR_AT, dst, self.o_bytes + self.ml_bytes, ERR_BYTES)
                     if self.decode:  # zero for the next call, which may hand them over without a clear
                         self._clear_errors(enc)
                 if timed:
@@ -661,7 +662,7 @@ class DeviceRuntime:
                 dev.queue.submit([enc.finish()])
                 edges = np.frombuffer(dev.queue.read_buffer(self.edges, 0, 24 * self.emax), np.int32).reshape(6, -1)
                 merge = np.frombuffer(dev.queue.read_buffer(self.merge, 0, 4 * (self.R + 1 + self.emax)), np.int32)
-                err = np.frombuffer(dev.queue.read_buffer(self.args, ERR_AT, 8), np.uint32).copy()
+                err = np.frombuffer(dev.queue.read_buffer(self.args, ERR_AT, ERR_BYTES), np.uint32).copy()
                 if self.decode:  # zero for a later call that hands them over without a clear
                     dev.queue.write_buffer(self.args, ERR_AT, np.zeros(ERR_SPAN // 4, np.uint32))
         if int(err[0]):
