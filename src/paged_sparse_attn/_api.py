@@ -19,7 +19,6 @@ from ._validation import (
     validate_index,
     validate_index_inputs,
     validate_partials,
-    widen_query,
 )
 from .backends.base import Backend
 from .errors import UnsupportedError
@@ -153,10 +152,10 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
         from ._attention_plan import forward_plan
 
         out, lse = checked_out_lse(be, "forward", forward_plan(p, be)._run(
-            p.q, p.k_cache, p.v_cache, p.selected), p.q.shape)
+            p.q_input, p.k_cache, p.v_cache, p.selected), p.q_input.shape)  # (q as given: R7)
         return (out, lse) if return_lse else out
     index = build_index_arrays(p.selected, p.layout)
-    out, lse = checked_out_lse(be, "forward", be.forward(p, index), p.q.shape)
+    out, lse = checked_out_lse(be, "forward", be.forward(p, index), p.q_input.shape)
     return (out, lse) if return_lse else out
 
 
@@ -210,7 +209,7 @@ def forward_partials(q, k_cache, v_cache, index, *, softmax_scale=None, kv_layou
     """
     fn = "forward_partials"
     kv_layout = check_kv_layout(kv_layout, fn)
-    q = widen_query(check_float_array(q, fn, "q", 3))  # R7: backends receive float32 q
+    q = check_float_array(q, fn, "q", 3)  # R7: widened to float32 when the backend reads p.q
     k_cache = check_float_array(k_cache, fn, "k_cache", 4, allow_device=True)
     v_cache = check_float_array(v_cache, fn, "v_cache", 4, allow_device=True)
     check_cache_layout(k_cache, fn, "k_cache", kv_layout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 import numpy as np
@@ -226,7 +227,8 @@ class AttentionInputs(_LayoutFacts):
     What a backend's [`forward_partials`][paged_sparse_attn.Backend.forward_partials] receives
     (its edges come from the index, whose ``layout`` is this record's ``layout``); a
     [`Problem`][paged_sparse_attn.Problem] adds the selection. Built only by the validation layer.
-    ``q`` is a C-contiguous float32 array (widened exactly from any R7 dtype, R7), the caches are
+    ``q`` is a C-contiguous float32 array (widened exactly from any R7 dtype when first read, R7;
+    ``q_input`` is the caller's array as given, for a backend that widens on its device), the caches are
     C-contiguous numpy arrays of an R7 dtype or [`DeviceArray`][paged_sparse_attn.DeviceArray]
     handles of the backend. The layout's fields read through: ``block_tables``,
     ``cu_seqlens_q``, ``used_kv_lens``, ``block_size``, ``page_size``, ``causal``, ``num_seqs``
@@ -236,8 +238,11 @@ class AttentionInputs(_LayoutFacts):
 
     Attributes
     ----------
+    q_input : ndarray [Tq, Hq, D]
+        Queries as the caller gave them: float32, float16 or bfloat16, C-contiguous (R7).
     q : ndarray [Tq, Hq, D]
-        Queries, float32 (widened exactly from any R7 dtype).
+        Queries, float32: ``q_input`` widened exactly, once, when first read (a property; a
+        backend that widens a float16 ``q_input`` on its device never pays the host's widening).
     k_cache, v_cache : ndarray or DeviceArray [P, Hkv, S, D] or [P, S, Hkv, D]
         The paged caches, float32, float16 or bfloat16, of one dtype, in ``kv_layout``.
     layout : SeqLayout
@@ -249,24 +254,30 @@ class AttentionInputs(_LayoutFacts):
         backend's ``capabilities.kv_layouts``. Keyword-only, default ``"HND"``.
     """
 
-    q: np.ndarray  # [Tq, Hq, D]
+    q_input: np.ndarray  # [Tq, Hq, D], the caller's dtype
     k_cache: Any  # [P, Hkv, S, D]
     v_cache: Any  # [P, Hkv, S, D]
     layout: SeqLayout
     softmax_scale: float
     kv_layout: str = field(default="HND", kw_only=True)  # R34
 
+    @cached_property
+    def q(self) -> np.ndarray:
+        """``q_input`` widened exactly to float32 (R7), C-contiguous; made on first read."""
+        x = self.q_input
+        return x if x.dtype == np.float32 else np.ascontiguousarray(x, dtype=np.float32)
+
     @property
     def num_queries(self) -> int:
-        return self.q.shape[0]
+        return self.q_input.shape[0]
 
     @property
     def num_q_heads(self) -> int:
-        return self.q.shape[1]
+        return self.q_input.shape[1]
 
     @property
     def head_dim(self) -> int:
-        return self.q.shape[2]
+        return self.q_input.shape[2]
 
     @property
     def num_pages(self) -> int:

@@ -448,8 +448,9 @@ def validate_forward(
     scale = check_softmax_scale(softmax_scale, D, fn)
     layout = SeqLayout(bt, cu, lens, bs, S, check_causal(causal, fn))
     if sel is None:
-        return AttentionInputs(widen_query(q), k_cache, v_cache, layout, scale, kv_layout=kv_layout)
-    return Problem(widen_query(q), k_cache, v_cache, layout, scale, sel, kv_layout=kv_layout)
+        return AttentionInputs(q, k_cache, v_cache, layout, scale, kv_layout=kv_layout)
+    # q as given (C-contiguous): the record widens it to float32 when a backend reads .q (R7)
+    return Problem(q, k_cache, v_cache, layout, scale, sel, kv_layout=kv_layout)
 
 
 def validate_index_inputs(

@@ -10,7 +10,9 @@ same caches (resident on the device), is timed in wall time:
 ``attention, synced``
     the same with a synchronisation per layer.
 ``forward() numpy``
-    ours only: ``forward()`` with host q and selection, host outputs (one call's latency).
+    ours only: ``forward()`` with host q and selection, host outputs (one call's latency);
+    ``forward_numpy_f16_s`` the same with q as float16 (a float16 model's call: the planned
+    path writes it as it is and widens it on the device, R7).
 ``layer`` (index branch + attention)
     ours: ``AttentionPlan.run_sparse`` (block scores, top-k with the local block, inversion,
     partials, combine in one submission); torch: matmul + amax + topk over the paged index keys,
@@ -161,6 +163,11 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
     for k in ("encode_s", "submit_s", "wait_readback_s", "total_s"):
         if k in t:
             row[f"forward_{k}"] = t[k]
+    qs16 = [q.astype(np.float16) for q in qs]
+    row["forward_numpy_f16_s"] = _loop_time(
+        lambda i: __import__("paged_sparse_attn").forward(qs16[i], kd, vd, prob["block_tables"], prob["selected"],
+                                                         prob["cu_seqlens_q"], **fargs),
+        lambda r: None, L, repeat, True)
     # the pass split of one call, from GPU timestamps (a second device of the same adapter)
     try:
         tb = type(be)(timestamps=True)

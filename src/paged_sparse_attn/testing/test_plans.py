@@ -1,4 +1,5 @@
-"""The conformance kit for plans and device arrays (R30-R33, R35, R36), on every selected backend.
+"""The conformance kit for plans and device arrays (R30-R33, R35, R36; R7 for their float16 q), on
+every selected backend.
 
 Collected with the rest of the kit (``pytest --pyargs paged_sparse_attn.testing --backend
 NAME``); ``tests/test_plan_properties.py`` re-exports these tests for the project's own run. A
@@ -125,6 +126,35 @@ def test_R30_device_inputs_give_device_outputs_with_the_same_bits(backend, data)
     assert dev[0].shape == host[0].shape and dev[1].shape == host[1].shape
     assert _bits([_host(x) for x in dev], host), "R30: device-resident results differ from the host call"
     np.testing.assert_array_equal(sd.numpy(), p.selected)
+
+
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_R7_a_float16_q_gives_the_bits_of_q_widened_by_numpy(backend, data, seed):
+    """R7: a backend computes with q widened exactly to float32, wherever it widens it (a backend
+    may take a float16 q as it is and widen it on its device): forward() and plan.run() with a
+    float16 q, host or device-resident, give the bits of the same calls on q.astype(float32).
+    The q holds subnormal and signed-zero halves besides the problem's values."""
+    p = _problem(data, backend)
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore"):
+        q16 = p.q.astype(np.float16)  # (values beyond float16's range become inf: valid R7 inputs too)
+    bits = q16.reshape(-1).view(np.uint16)
+    special = rng.random(bits.size) < 0.25
+    bits[special] = rng.integers(0, 0x400, int(special.sum())) | (rng.integers(0, 2, int(special.sum())) << 15)
+    q32 = q16.astype(np.float32)
+    k, v = _caches(backend, p.k_cache, p.v_cache)
+    kw = dict(used_kv_lens=p.used_kv_lens, block_size=p.block_size, softmax_scale=p.softmax_scale, causal=p.causal,
+              backend=backend, return_lse=True)
+    want = psa.forward(q32, k, v, p.block_tables, p.selected, p.cu_seqlens_q, **kw)
+    got = psa.forward(q16, k, v, p.block_tables, p.selected, p.cu_seqlens_q, **kw)
+    assert _bits(got, want), "R7: forward() with a float16 q differs from forward() with it widened by numpy"
+    plan = _plan(backend, p)
+    assert _bits(plan.run(q16, k, v, p.selected, return_lse=True), want), \
+        "R7: plan.run() with a float16 q differs from forward() with it widened by numpy"
+    if _has_device(backend) and hasattr(backend, "asarray"):
+        dev = plan.run(backend.asarray(q16), k, v, backend.asarray(p.selected), return_lse=True)
+        assert _bits([_host(x) for x in dev], want), \
+            "R7: plan.run() with a device-resident float16 q differs from forward() with it widened by numpy"
 
 
 @given(data=st.data(), kind=st.sampled_from(["repeat", "above", "below"]))

@@ -46,6 +46,8 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_merge.wgsl": Kernel("urrrww", trusted=True),
     # a planned decode layer's R6 error words into its results (indexes fixed by the host's plan)
     "psa_handoff.wgsl": Kernel("ww", trusted=True),
+    # a layer's float16 q widened into the plan's float32 q (R7); words past N2 are never read
+    "psa_widen.wgsl": Kernel("rw", trusted=True),
     # the KV-outer inversion on the device (R13, R31, R33): it tests every id of a device
     # selection against [-1, msb) and the query's visible blocks before the id indexes anything,
     # and a row keeps at most K edges in its own ranges (repeated ids reported, R6); the rest of

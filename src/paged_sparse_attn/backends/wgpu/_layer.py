@@ -5,7 +5,10 @@ Made once per batch layout (``make_runtime``): every buffer, bind group and
 pipeline a layer needs. A layer then encodes
 
 1. the layer's ``q`` and ``selected`` copied into the plan's buffers (a device-to-device copy for
-   device arrays, one ``write_buffer`` for host arrays);
+   device arrays, one ``write_buffer`` for host arrays); a float16 ``q`` (host or device) is
+   written or bound as it is and widened into the plan's float32 ``q`` by ``psa_widen.wgsl``, the
+   first dispatch of the layer's first pass (R7: the same float32 values, half the bytes, no
+   widening on the host);
 2. pass A, the KV-outer inversion (R13) on the device: ``psa_invert.wgsl`` ``mark`` (R6 checks,
    flags), ``psa_scan.wgsl`` (edge and row numbers), ``scatter`` (edges, the combine's row lists,
    the partials kernel's work items and page lists), ``finalize`` (the partials dispatch size);
@@ -52,6 +55,8 @@ SCAN = "psa_scan.wgsl"
 INVERT = "psa_invert.wgsl"
 MERGE = "psa_merge.wgsl"
 HANDOFF = "psa_handoff.wgsl"
+WIDEN = "psa_widen.wgsl"
+WIDEN_WG = 256
 SCAN_WG = 256
 TILE = 4 * SCAN_WG
 INV_WG = 64
@@ -275,6 +280,7 @@ class DeviceRuntime:
             self.po, self.pml, self.merge, self.out, self.oml)])
         self._ub_merge = ub(R_MERGE, 32)
         self.p_hand = None  # psa_handoff.wgsl's pipeline, made by the first device call (_handoff)
+        self.p_widen = self.q16 = None  # psa_widen.wgsl's pipeline and a float16 q's buffer (_widened)
         self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
         self.grids = {"rows": rows_grid, "edges": edges_grid, "scan1": g1, "scan2": g2, "merge": mg}
@@ -383,31 +389,34 @@ class DeviceRuntime:
             self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
 
     def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None,
-                handoff=None) -> None:
+                handoff=None, wide=None) -> None:
+        """``wide``: ``_widened``'s bind group when the caller made it (before a pass it left open)."""
         bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
-        if q is not None and isinstance(q, DeviceArray) and np.dtype(q.dtype) != np.float32:
-            raise UnsupportedError(f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, got "
-                                   f"{np.dtype(q.dtype).name} (upload it as float32: widening is exact) [R18]")
+        if wide is None and cp is None:
+            wide = self._widened(enc, q)  # a float16 q: widened by the pass's first dispatch
         if attention and self.decode:
             # decode: device arrays are bound where they are (bind groups kept per buffer), host
             # arrays written into the plan's buffers; no copies, one pass
-            qb = self._bound(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
+            qb = self.q if wide is not None else self._bound(enc, q, self.q, self.Tq * self.Hq * self.D * 4,
+                                                              np.float32)
             if groups is None:
                 sb = self._bound(enc, sel, self.sel, self.emax * 4, np.int32)
                 bg_edges = self._cached(("slots", sb.uid), lambda: self._bg(
                     self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
                         sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
-            self._encode_direct(enc, qb, k, v, bg_edges, cp, bg_merge, handoff)  # (its grid: one invocation per slot)
+            self._encode_direct(enc, qb, k, v, bg_edges, cp, bg_merge, handoff, wide)  # (its grid: one invocation per slot)
             return
         if cp is not None:
             cp.end()  # the inversion clears buffers first: outside a pass
-        if q is not None:
+        if q is not None and wide is None:
             self._stage(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
         if sel is not None:
             self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
         enc.clear_buffer(self.work, 0, self.work_bytes)
         self._clear_errors(enc)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
+        if wide is not None:
+            self._dispatch(cp, self.p_widen[0], wide, self.widen_grid)
         self._dispatch(cp, self.p_inv["mark"][0], bg_rows, self.grids["rows"])
         self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan1, self.grids["scan1"])
         self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan1, (1, 1))
@@ -428,6 +437,42 @@ class DeviceRuntime:
         cp.dispatch_workgroups_indirect(self.args, 0)
         self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
         cp.end()
+
+    def _widened(self, enc, q):
+        """A float16 ``q`` (R7): written (host) or bound (device) as it is, and the bind group of
+        ``psa_widen.wgsl`` that widens it into the plan's float32 ``q`` (the caller dispatches it
+        first in the layer's first pass); None for a float32 ``q`` (or none), which is staged as
+        before. A device ``q`` of another dtype, or a float16 one this kernel cannot take, is
+        refused (R18)."""
+        if q is None:
+            return None
+        dt = np.dtype(q.dtype)
+        n = self.Tq * self.Hq * self.D
+        device = isinstance(q, DeviceArray)
+        if dt == np.float32 or (not device and dt != np.float16):
+            return None  # (a host bfloat16 q: staged, widened by numpy)
+        if dt != np.float16 or n % 2 or (device and q.offset % 4):
+            if not device:
+                return None  # an odd number of halves: numpy widens it
+            raise UnsupportedError(
+                f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, or as float16 with "
+                f"Tq * Hq * D even at a 4-byte aligned offset; got {dt.name}, {n} values, offset {q.offset} "
+                "(upload it as float32: widening is exact) [R18]")
+        if self.p_widen is None:
+            self.widen_grid = _grid(-(-(n // 2) // WIDEN_WG), self.ctx.workgroups_per_dim)
+            self.p_widen = self.be._pipeline(WIDEN, False, {"N2": n // 2, "WG": WIDEN_WG, "GX": self.widen_grid[0]})
+        if device and q.offset == 0:
+            src = q.buffer()
+        else:
+            if self.q16 is None:
+                self.q16 = self._buffer(2 * n, BufferUsage.STORAGE | BufferUsage.COPY_DST, "q.float16")
+            src = self.q16
+            if device:
+                enc.copy_buffer_to_buffer(q.buffer(), q.offset, src, 0, 2 * n)
+            else:
+                self.ctx.device.queue.write_buffer(src, 0, q)  # (C-contiguous: validated)
+        return self._cached(("widen", src.uid), lambda: self._bg(self.p_widen[1], [{"buffer": src},
+                                                                                   {"buffer": self.q}]))
 
     def _merge_into(self, res):
         """The combine's bind group writing ``out`` and ``(m, l)`` straight into the result buffer
@@ -477,17 +522,19 @@ class DeviceRuntime:
             layout=self.p_part[1], entries=[{"binding": j, "resource": {"buffer": b, **({"size": 32} if j == 0 else {})}}
                                             for j, b in enumerate((params, qb, kb, vb, self.plan, self.po, self.pml))]))
 
-    def _encode_direct(self, enc, qb, k, v, bg_slots, cp=None, bg_merge=None, handoff=None) -> None:
+    def _encode_direct(self, enc, qb, k, v, bg_slots, cp=None, bg_merge=None, handoff=None, wide=None) -> None:
         """Decode attention without the inversion (``psa_invert.wgsl`` ``direct``): three
         dispatches of fixed sizes in one pass (two when timed, to time them apart), and with
         ``handoff`` (the bind group of ``_handoff``) a fourth that hands the R6 error words over
         to the results and zeroes them (else the caller clears them before and copies them after
         the pass). ``cp``: an open untimed pass to continue (the index branch's), else a pass of
-        its own."""
+        its own. ``wide``: the bind group of ``_widened`` (a float16 q), dispatched first."""
         if cp is None:
             if handoff is None:
                 self._clear_errors(enc)
             cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
+        if wide is not None:
+            self._dispatch(cp, self.p_widen[0], wide, self.widen_grid)
         self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
         if self._ts(0) is not None:
             cp.end()
@@ -813,6 +860,7 @@ class DeviceRuntime:
             self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
         if not sp.once:
             enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
+        wide = self._widened(enc, q)  # (its copy, if any, outside the pass below)
         timed = self._ts(2) is not None
         if self.decode and not timed and handoff is None:
             self._clear_errors(enc)  # (the attention's error words: its pass is this one)
@@ -827,4 +875,4 @@ class DeviceRuntime:
             cp = None
         # untimed decode: the attention's dispatches continue the same pass (dispatches of a pass
         # run in order); otherwise _encode ends it and begins its own after its clears
-        self._encode(enc, q, k, v, None, groups=sp.groups, cp=cp, bg_merge=bg_merge, handoff=handoff)
+        self._encode(enc, q, k, v, None, groups=sp.groups, cp=cp, bg_merge=bg_merge, handoff=handoff, wide=wide)
