@@ -854,7 +854,9 @@ class DeviceRuntime:
                 calls = self._cached(("index_q", sp.uid, buf.uid), lambda: sp.bind(buf))
             else:
                 enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
-        else:
+        elif L.index_dim % 4 == 0:  # rows are whole 16-byte units already: written as they are
+            self.ctx.device.queue.write_buffer(sp.iq, 0, np.ascontiguousarray(index_q, dtype=np.float32))
+        else:  # rows padded to 16-byte units (a copy)
             iq = np.zeros((L.num_queries, L.num_kv_heads, sp.DV * 4), np.float32)
             iq[:, :, :L.index_dim] = index_q
             self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
