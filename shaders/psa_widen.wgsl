@@ -13,18 +13,20 @@
 
 // Bindings (group 0)
 //   0 src  storage, read        u32 [N2]: two float16 per word, the lower address in the low half
-//   1 dst  storage, read_write  vec2<f32> [N2]: the plan's float32 q
+//                               (an odd N's last word: its high half is not read)
+//   1 dst  storage, read_write  f32 [N]: the plan's float32 tensor
 //
-// Override constants: N2 (words to widen: Tq * Hq * D / 2), WG (workgroup size), GX (workgroups
-// per row of the grid; the host spreads ceil(N2 / WG) workgroups over rows of GX). Word i is
-// widened by invocation i; those past N2 do nothing.
+// Override constants: N (values to widen), WG (workgroup size), GX (workgroups per row of the
+// grid; the host spreads ceil(N2 / WG) workgroups over rows of GX). Word i (values 2i and 2i + 1)
+// is widened by invocation i; those past N2 = ceil(N / 2) do nothing.
 
-override N2: u32;
+override N: u32;
+override N2: u32 = (N + 1u) / 2u;
 override WG: u32 = 256u;
 override GX: u32;
 
 @group(0) @binding(0) var<storage, read> src: array<u32>;
-@group(0) @binding(1) var<storage, read_write> dst: array<vec2<f32>>;
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
 
 // The float32 of the half in the low 16 bits of h.
 fn widen(h: u32) -> f32 {
@@ -45,6 +47,9 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let i = gid.y * (GX * WG) + gid.x;
     if (i < N2) {
         let w = src[i];
-        dst[i] = vec2<f32>(widen(w & 0xffffu), widen(w >> 16u));
+        dst[2u * i] = widen(w & 0xffffu);
+        if (2u * i + 1u < N) {
+            dst[2u * i + 1u] = widen(w >> 16u);
+        }
     }
 }

@@ -22,6 +22,12 @@ __all__ = [
 ]
 
 
+
+def _float32(x: np.ndarray) -> np.ndarray:
+    """R7: a C-contiguous query array of any accepted float dtype, widened exactly to float32
+    (float16 and bfloat16 values are all float32 values; a float32 array is returned as is)."""
+    return x if x.dtype == np.float32 else np.ascontiguousarray(x, dtype=np.float32)
+
 @dataclass(frozen=True)
 class Availability:
     """Whether a backend can run here (the result of a probe, which never raises).
@@ -264,8 +270,7 @@ class AttentionInputs(_LayoutFacts):
     @cached_property
     def q(self) -> np.ndarray:
         """``q_input`` widened exactly to float32 (R7), C-contiguous; made on first read."""
-        x = self.q_input
-        return x if x.dtype == np.float32 else np.ascontiguousarray(x, dtype=np.float32)
+        return _float32(self.q_input)
 
     @property
     def num_queries(self) -> int:
@@ -420,8 +425,10 @@ class IndexProblem:
 
     Attributes
     ----------
+    index_q_input : ndarray [Tq, Hkv, d_idx]
+        The index queries as the caller gave them: float32, float16 or bfloat16, C-contiguous (R7).
     index_q : ndarray float32 [Tq, Hkv, d_idx]
-        C-contiguous float32 index queries (any R7 dtype, widened exactly by the validation, R7).
+        ``index_q_input`` widened exactly to float32, once, when first read (a property, R7).
     index_k_cache : ndarray or DeviceArray [P, Hk_idx, S, d_idx] or [P, S, Hk_idx, d_idx]
         Paged index keys, ``Hk_idx`` is 1 (shared by every KV head) or ``Hkv``.
     block_tables : ndarray int32 [B, max_pages]
@@ -442,7 +449,7 @@ class IndexProblem:
         (``[P, S, Hk_idx, d_idx]``), R34.
     """
 
-    index_q: np.ndarray
+    index_q_input: np.ndarray  # the caller's dtype
     index_k_cache: Any
     block_tables: np.ndarray
     cu_seqlens_q: np.ndarray
@@ -454,17 +461,22 @@ class IndexProblem:
     causal: bool
     kv_layout: str = "HND"  # R34
 
+    @cached_property
+    def index_q(self) -> np.ndarray:
+        """``index_q_input`` widened exactly to float32 (R7), C-contiguous; made on first read."""
+        return _float32(self.index_q_input)
+
     @property
     def num_queries(self) -> int:
-        return int(self.index_q.shape[0])
+        return int(self.index_q_input.shape[0])
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.index_q.shape[1])
+        return int(self.index_q_input.shape[1])
 
     @property
     def index_dim(self) -> int:
-        return int(self.index_q.shape[2])
+        return int(self.index_q_input.shape[2])
 
     @property
     def num_index_heads(self) -> int:

@@ -33,7 +33,6 @@ __all__ = [
     "check_kv_layout",
     "cache_dims",
     "check_cache_layout",
-    "widen_query",
     "validate_forward",
     "validate_index_inputs",
     "validate_index",
@@ -168,11 +167,6 @@ def check_softmax_scale(scale: Any, head_dim: int, fn: str) -> float:
         raise _fail(fn, f"softmax_scale must be finite in float32 (|softmax_scale| <= {_F32_MAX:.8g}), "
                     f"got {value:g}", "R8")
     return value
-
-
-def widen_query(q: np.ndarray) -> np.ndarray:
-    """R7: ``q`` of any accepted float dtype, widened exactly to float32 (what backends receive)."""
-    return q if q.dtype == np.float32 else np.ascontiguousarray(q, dtype=np.float32)
 
 
 def check_causal(causal: Any, fn: str) -> bool:

@@ -221,7 +221,7 @@ def sparse_attention(q, k_cache, v_cache, index_q, index_k_cache, block_tables, 
         lay = dataclasses.replace(layout_of(p, topk=k), index_dim=ip.index_dim, num_index_heads=ip.num_index_heads,
                                   index_dtype=np.dtype(ip.index_k_cache.dtype))
         out, lse = checked_out_lse(be, fn, cached_plan(lay, be)._run_sparse(
-            p.q_input, p.k_cache, p.v_cache, ip.index_q, ip.index_k_cache), p.q_input.shape)  # (q as given: R7)
+            p.q_input, p.k_cache, p.v_cache, ip.index_q_input, ip.index_k_cache), p.q_input.shape)  # (as given: R7)
         return (out, lse) if return_lse else out
     scores = checked_scores(be, fn, be.block_scores(ip), (ip.num_queries, ip.num_kv_heads, ip.msb))
     tp = TopkProblem(scores=scores, topk=k, force_local=True,

@@ -30,7 +30,6 @@ from .._validation import (
     check_kv_layout,
     check_layout,
     check_softmax_scale,
-    widen_query,
 )
 from ._types import IndexProblem, TopkProblem
 
@@ -94,8 +93,8 @@ def validate_block_scores(fn: str, index_q: Any, index_k_cache: Any, block_table
     scale = check_softmax_scale(softmax_scale, d, fn)  # default 1/sqrt(d_idx)
     c = check_causal(causal, fn)
     seq, end = query_positions(cu, lens, c)
-    return IndexProblem(
-        index_q=widen_query(iq), index_k_cache=ik, block_tables=bt, cu_seqlens_q=cu, used_kv_lens=lens,
+    return IndexProblem(  # index_q as given: widened when a backend reads .index_q (R7)
+        index_q_input=iq, index_k_cache=ik, block_tables=bt, cu_seqlens_q=cu, used_kv_lens=lens,
         query_seq=np.ascontiguousarray(seq, dtype=np.int32),
         query_end=np.ascontiguousarray(end, dtype=np.int32),
         block_size=bs, softmax_scale=scale, causal=c, kv_layout=kv_layout,

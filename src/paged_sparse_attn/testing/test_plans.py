@@ -145,14 +145,17 @@ def test_R7_a_float16_q_gives_the_bits_of_q_widened_by_numpy(backend, data, seed
     k, v = _caches(backend, p.k_cache, p.v_cache)
     kw = dict(used_kv_lens=p.used_kv_lens, block_size=p.block_size, softmax_scale=p.softmax_scale, causal=p.causal,
               backend=backend, return_lse=True)
-    want = psa.forward(q32, k, v, p.block_tables, p.selected, p.cu_seqlens_q, **kw)
+    # the float16 calls first, each plan fresh: a widening that did not happen cannot pass for one
+    # that did by leaving an earlier call's float32 q in place
     got = psa.forward(q16, k, v, p.block_tables, p.selected, p.cu_seqlens_q, **kw)
-    assert _bits(got, want), "R7: forward() with a float16 q differs from forward() with it widened by numpy"
-    plan = _plan(backend, p)
-    assert _bits(plan.run(q16, k, v, p.selected, return_lse=True), want), \
-        "R7: plan.run() with a float16 q differs from forward() with it widened by numpy"
+    run = _plan(backend, p).run(q16, k, v, p.selected, return_lse=True)
+    dev = None
     if _has_device(backend) and hasattr(backend, "asarray"):
-        dev = plan.run(backend.asarray(q16), k, v, backend.asarray(p.selected), return_lse=True)
+        dev = _plan(backend, p).run(backend.asarray(q16), k, v, backend.asarray(p.selected), return_lse=True)
+    want = psa.forward(q32, k, v, p.block_tables, p.selected, p.cu_seqlens_q, **kw)
+    assert _bits(got, want), "R7: forward() with a float16 q differs from forward() with it widened by numpy"
+    assert _bits(run, want), "R7: plan.run() with a float16 q differs from forward() with it widened by numpy"
+    if dev is not None:
         assert _bits([_host(x) for x in dev], want), \
             "R7: plan.run() with a device-resident float16 q differs from forward() with it widened by numpy"
 

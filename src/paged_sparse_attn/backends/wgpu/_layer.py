@@ -280,7 +280,7 @@ class DeviceRuntime:
             self.po, self.pml, self.merge, self.out, self.oml)])
         self._ub_merge = ub(R_MERGE, 32)
         self.p_hand = None  # psa_handoff.wgsl's pipeline, made by the first device call (_handoff)
-        self.p_widen = self.q16 = None  # psa_widen.wgsl's pipeline and a float16 q's buffer (_widened)
+        self.p_widen, self.halves = {}, {}  # psa_widen.wgsl's pipelines (by size) and float16 buffers (by role)
         self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
         self.grids = {"rows": rows_grid, "edges": edges_grid, "scan1": g1, "scan2": g2, "merge": mg}
@@ -390,10 +390,10 @@ class DeviceRuntime:
 
     def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None,
                 handoff=None, wide=None) -> None:
-        """``wide``: ``_widened``'s bind group when the caller made it (before a pass it left open)."""
+        """``wide``: ``_widened``'s dispatch of q when the caller made it (before a pass it left open)."""
         bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
         if wide is None and cp is None:
-            wide = self._widened(enc, q)  # a float16 q: widened by the pass's first dispatch
+            wide = self._widened(enc, q, self.q, "q")  # a float16 q: widened by the pass's first dispatch
         if attention and self.decode:
             # decode: device arrays are bound where they are (bind groups kept per buffer), host
             # arrays written into the plan's buffers; no copies, one pass
@@ -416,7 +416,7 @@ class DeviceRuntime:
         self._clear_errors(enc)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         if wide is not None:
-            self._dispatch(cp, self.p_widen[0], wide, self.widen_grid)
+            self._dispatch(cp, *wide)
         self._dispatch(cp, self.p_inv["mark"][0], bg_rows, self.grids["rows"])
         self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan1, self.grids["scan1"])
         self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan1, (1, 1))
@@ -438,41 +438,48 @@ class DeviceRuntime:
         self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
         cp.end()
 
-    def _widened(self, enc, q):
-        """A float16 ``q`` (R7): written (host) or bound (device) as it is, and the bind group of
-        ``psa_widen.wgsl`` that widens it into the plan's float32 ``q`` (the caller dispatches it
-        first in the layer's first pass); None for a float32 ``q`` (or none), which is staged as
-        before. A device ``q`` of another dtype, or a float16 one this kernel cannot take, is
-        refused (R18)."""
-        if q is None:
+    def _widened(self, enc, x, dst, role: str):
+        """A float16 tensor of the layer (R7: ``q``, or ``index_q`` with rows of whole 16-byte
+        units) for the plan's float32 buffer ``dst``: written (host) or bound (device) as it is,
+        and the dispatch ``(pipeline, bind group, grid)`` of ``psa_widen.wgsl`` that widens it
+        into ``dst`` (the caller records it first in the layer's first pass). None for a float32
+        tensor (or none), which the caller stages as before, and for a host tensor this kernel
+        does not take (bfloat16, an odd number of values: numpy widens it). A device tensor of
+        another dtype, or at an offset that is not a whole word, is refused (R18)."""
+        if x is None:
             return None
-        dt = np.dtype(q.dtype)
-        n = self.Tq * self.Hq * self.D
-        device = isinstance(q, DeviceArray)
-        if dt == np.float32 or (not device and dt != np.float16):
-            return None  # (a host bfloat16 q: staged, widened by numpy)
-        if dt != np.float16 or n % 2 or (device and q.offset % 4):
-            if not device:
-                return None  # an odd number of halves: numpy widens it
+        dt = np.dtype(x.dtype)
+        n = int(np.prod(x.shape))
+        device = isinstance(x, DeviceArray)
+        if dt == np.float32 or (not device and dt != np.float16) or n == 0:
+            return None
+        if dt != np.float16 or (device and x.offset and (x.offset % 4 or n % 2)):
             raise UnsupportedError(
-                f"AttentionPlan.run(): backend 'wgpu' takes device-resident q as float32, or as float16 with "
-                f"Tq * Hq * D even at a 4-byte aligned offset; got {dt.name}, {n} values, offset {q.offset} "
-                "(upload it as float32: widening is exact) [R18]")
-        if self.p_widen is None:
-            self.widen_grid = _grid(-(-(n // 2) // WIDEN_WG), self.ctx.workgroups_per_dim)
-            self.p_widen = self.be._pipeline(WIDEN, False, {"N2": n // 2, "WG": WIDEN_WG, "GX": self.widen_grid[0]})
-        if device and q.offset == 0:
-            src = q.buffer()
+                f"AttentionPlan: backend 'wgpu' takes a device-resident {role} as float32, or as float16 (at a "
+                f"byte offset 0, or at a multiple of 4 with an even number of values); got {dt.name}, {n} values "
+                f"at offset {x.offset} (upload it as float32: widening is exact) [R18]")
+        words = -(-n // 2)  # (an odd n's last word holds one half)
+        hit = self.p_widen.get(n)
+        if hit is None:
+            grid = _grid(-(-words // WIDEN_WG), self.ctx.workgroups_per_dim)
+            pipe, bgl = self.be._pipeline(WIDEN, False, {"N": n, "WG": WIDEN_WG, "GX": grid[0]})
+            hit = self.p_widen[n] = (pipe, bgl, grid)
+        if device and x.offset == 0:
+            src = x.buffer()  # (device buffers are whole words: an odd n's last word is there)
         else:
-            if self.q16 is None:
-                self.q16 = self._buffer(2 * n, BufferUsage.STORAGE | BufferUsage.COPY_DST, "q.float16")
-            src = self.q16
+            src = self.halves.get(role)
+            if src is None or src.size < 4 * words:
+                src = self.halves[role] = self._buffer(4 * words, BufferUsage.STORAGE | BufferUsage.COPY_DST,
+                                                       f"{role}.float16")
             if device:
-                enc.copy_buffer_to_buffer(q.buffer(), q.offset, src, 0, 2 * n)
+                enc.copy_buffer_to_buffer(x.buffer(), x.offset, src, 0, 2 * n)
+            elif n % 2:  # writes move whole words: the last half's word padded
+                self.ctx.device.queue.write_buffer(src, 0, np.append(x.reshape(-1), np.float16(0)))
             else:
-                self.ctx.device.queue.write_buffer(src, 0, q)  # (C-contiguous: validated)
-        return self._cached(("widen", src.uid), lambda: self._bg(self.p_widen[1], [{"buffer": src},
-                                                                                   {"buffer": self.q}]))
+                self.ctx.device.queue.write_buffer(src, 0, x)  # (C-contiguous: validated)
+        pipe, bgl, grid = hit
+        bg = self._cached(("widen", src.uid, dst.uid), lambda: self._bg(bgl, [{"buffer": src}, {"buffer": dst}]))
+        return pipe, bg, grid
 
     def _merge_into(self, res):
         """The combine's bind group writing ``out`` and ``(m, l)`` straight into the result buffer
@@ -528,13 +535,13 @@ class DeviceRuntime:
         ``handoff`` (the bind group of ``_handoff``) a fourth that hands the R6 error words over
         to the results and zeroes them (else the caller clears them before and copies them after
         the pass). ``cp``: an open untimed pass to continue (the index branch's), else a pass of
-        its own. ``wide``: the bind group of ``_widened`` (a float16 q), dispatched first."""
+        its own. ``wide``: ``_widened``'s dispatch (a float16 q), dispatched first."""
         if cp is None:
             if handoff is None:
                 self._clear_errors(enc)
             cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         if wide is not None:
-            self._dispatch(cp, self.p_widen[0], wide, self.widen_grid)
+            self._dispatch(cp, *wide)
         self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
         if self._ts(0) is not None:
             cp.end()
@@ -743,10 +750,11 @@ class DeviceRuntime:
             return NotImplemented  # the plan runs it on the plain path
         with self.be._lock:
             sp = self._sparse_setup(fn, ik)
-            if isinstance(index_q, DeviceArray) and (L.index_dim % 4 or np.dtype(index_q.dtype) != np.float32):
-                raise UnsupportedError(f"{fn}(): backend 'wgpu' takes a device-resident index_q as float32 with "
-                                       f"index_dim a multiple of 4, got {np.dtype(index_q.dtype).name} and "
-                                       f"{L.index_dim} [R18]")
+            if isinstance(index_q, DeviceArray) and (L.index_dim % 4 or np.dtype(index_q.dtype) not in (
+                    np.dtype(np.float32), np.dtype(np.float16))):
+                raise UnsupportedError(f"{fn}(): backend 'wgpu' takes a device-resident index_q as float32 or "
+                                       f"float16 with index_dim a multiple of 4, got {np.dtype(index_q.dtype).name} "
+                                       f"and {L.index_dim} [R18]")
             try:
                 return self._run_locked(fn, q, k, v, None, sparse=(sp, index_q, ik))
             except BaseException as exc:
@@ -775,7 +783,7 @@ class DeviceRuntime:
         L, ctx, be = self.layout, self.ctx, self.be
         Tq, Hkv, msb, d = L.num_queries, L.num_kv_heads, L.msb, L.index_dim
         seq, hi = query_positions(L.cu_seqlens_q, L.used_kv_lens, L.causal)
-        p = IndexProblem(index_q=np.zeros((Tq, Hkv, d), np.float32), index_k_cache=ik, block_tables=L.block_tables,
+        p = IndexProblem(index_q_input=np.zeros((Tq, Hkv, d), np.float32), index_k_cache=ik, block_tables=L.block_tables,
                          cu_seqlens_q=L.cu_seqlens_q, used_kv_lens=L.used_kv_lens, query_seq=seq.astype(np.int32),
                          query_end=hi.astype(np.int32), block_size=L.block_size,
                          softmax_scale=1.0 / float(np.sqrt(d)), causal=L.causal, kv_layout=L.kv_layout)
@@ -848,25 +856,31 @@ class DeviceRuntime:
     def _encode_sparse(self, enc, q, k, v, sp, index_q, ik, bg_merge=None, handoff=None) -> None:
         L = self.layout
         calls = sp.calls
-        if isinstance(index_q, DeviceArray):
-            if index_q.offset == 0:  # bound where it is (bind groups kept per setup and buffer): no copy
-                buf = index_q.buffer()
-                calls = self._cached(("index_q", sp.uid, buf.uid), lambda: sp.bind(buf))
-            else:
-                enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
-        elif L.index_dim % 4 == 0:  # rows are whole 16-byte units already: written as they are
-            self.ctx.device.queue.write_buffer(sp.iq, 0, np.ascontiguousarray(index_q, dtype=np.float32))
-        else:  # rows padded to 16-byte units (a copy)
-            iq = np.zeros((L.num_queries, L.num_kv_heads, sp.DV * 4), np.float32)
-            iq[:, :, :L.index_dim] = index_q
-            self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
+        # a float16 index_q whose rows are whole 16-byte units: widened into sp.iq by the index
+        # pass's first dispatch (R7); otherwise bound, copied or written as float32
+        wide_iq = self._widened(enc, index_q, sp.iq, "index_q") if L.index_dim % 4 == 0 else None
+        if wide_iq is None:
+            if isinstance(index_q, DeviceArray):
+                if index_q.offset == 0:  # bound where it is (bind groups kept per setup and buffer): no copy
+                    buf = index_q.buffer()
+                    calls = self._cached(("index_q", sp.uid, buf.uid), lambda: sp.bind(buf))
+                else:
+                    enc.copy_buffer_to_buffer(index_q.buffer(), index_q.offset, sp.iq, 0, index_q.nbytes)
+            elif L.index_dim % 4 == 0:  # rows are whole 16-byte units already: written as they are
+                self.ctx.device.queue.write_buffer(sp.iq, 0, np.ascontiguousarray(index_q, dtype=np.float32))
+            else:  # rows padded to 16-byte units (a copy)
+                iq = np.zeros((L.num_queries, L.num_kv_heads, sp.DV * 4), np.float32)
+                iq[:, :, :L.index_dim] = index_q
+                self.ctx.device.queue.write_buffer(sp.iq, 0, iq)
         if not sp.once:
             enc.clear_buffer(sp.scores, 0, sp.scores_bytes)
-        wide = self._widened(enc, q)  # (its copy, if any, outside the pass below)
+        wide = self._widened(enc, q, self.q, "q")  # (its copy, if any, outside the pass below)
         timed = self._ts(2) is not None
         if self.decode and not timed and handoff is None:
             self._clear_errors(enc)  # (the attention's error words: its pass is this one)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(2))
+        if wide_iq is not None:
+            self._dispatch(cp, *wide_iq)
         for i, (pipe, bgroup, grid) in enumerate(calls):  # block scores, then the top-k into the selection
             if i == sp.n_score_calls and self._ts(3) is not None:  # timed: the top-k in a pass of its own
                 cp.end()
