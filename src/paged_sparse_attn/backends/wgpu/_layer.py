@@ -33,6 +33,7 @@ device queries or selections are refused (R18) there.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from types import SimpleNamespace
 
@@ -57,6 +58,7 @@ MERGE = "psa_merge.wgsl"
 HANDOFF = "psa_handoff.wgsl"
 WIDEN = "psa_widen.wgsl"
 WIDEN_WG = 256
+_F32 = np.dtype(np.float32)
 SCAN_WG = 256
 TILE = 4 * SCAN_WG
 INV_WG = 64
@@ -446,12 +448,12 @@ class DeviceRuntime:
         tensor (or none), which the caller stages as before, and for a host tensor this kernel
         does not take (bfloat16, an odd number of values: numpy widens it). A device tensor of
         another dtype, or at an offset that is not a whole word, is refused (R18)."""
-        if x is None:
-            return None
+        if x is None or x.dtype == _F32:
+            return None  # (the common case: nothing more per layer)
         dt = np.dtype(x.dtype)
-        n = int(np.prod(x.shape))
+        n = math.prod(x.shape)
         device = isinstance(x, DeviceArray)
-        if dt == np.float32 or (not device and dt != np.float16) or n == 0:
+        if (not device and dt != np.float16) or n == 0:
             return None
         if dt != np.float16 or (device and x.offset and (x.offset % 4 or n % 2)):
             raise UnsupportedError(
