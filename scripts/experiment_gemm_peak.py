@@ -88,6 +88,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(subgroup_id) sg: u32) {
     let r1 = subgroupMatrixLoad<Right>(&b, 256u, false, 16u);
     let r2 = subgroupMatrixLoad<Right>(&b, 512u, false, 16u);
     let r3 = subgroupMatrixLoad<Right>(&b, 768u, false, 16u);
+    // one variable per matrix, written out, as in psa_gemm_sgmat_tiled.wgsl (arrays of matrices
+    // indexed in loops were slower there); those past TM x TN get no product and are stored as zeros
     var acc00: Result; var acc01: Result; var acc02: Result; var acc03: Result;
     var acc10: Result; var acc11: Result; var acc12: Result; var acc13: Result;
     var acc20: Result; var acc21: Result; var acc22: Result; var acc23: Result;
