@@ -60,15 +60,28 @@ CUTS = (("no storage loads", (_NO_LOADS,)),
         ("no storage loads, no staging", (_NO_LOADS, _NO_STAGING)),
         ("no loads, staging or barriers", (_NO_LOADS, _NO_STAGING, _NO_BARRIER)))
 
-# products alone: each subgroup's TM x TN results, ITERS rounds of products on matrices loaded once
-PEAK_WGSL = """
+# products alone: each subgroup's TM x TN results, ITERS rounds of products on matrices loaded once.
+# One variable per matrix, written out (as in psa_gemm_sgmat_tiled.wgsl: arrays of matrices indexed
+# in loops were slower there); the repeated lines are made here, those past TM x TN get no product
+# and are stored as zeros.
+_IJ = [(i, j) for i in range(4) for j in range(4)]
+_LOADS = "\n".join(f"    let {x}{i} = subgroupMatrixLoad<{'Left' if x == 'l' else 'Right'}>(&{'a' if x == 'l' else 'b'}, "
+                    f"{256 * i}u, false, 16u);" for x in "lr" for i in range(4))
+_ACCS = "\n".join("    " + " ".join(f"var acc{i}{j}: Result;" for j in range(4)) for i in range(4))
+_PRODUCTS = "\n".join(
+    f"        if (TM > {i}u) {{\n" + "\n".join(
+        f"            if (TN > {j}u) {{ acc{i}{j} = subgroupMatrixMultiplyAccumulate(l{i}, r{j}, acc{i}{j}); }}"
+        for j in range(4)) + "\n        }" for i in range(4))
+_STORES = "\n".join(f"    subgroupMatrixStore(&c, base{f' + {256 * (4 * i + j)}u' if i or j else ''}, acc{i}{j}, false, 16u);"
+                     for i, j in _IJ)
+PEAK_WGSL = f"""
 override SG: u32 = 8u;      // subgroups per workgroup
 override TM: u32 = 4u;      // left matrices (result rows of tiles) per subgroup, <= 4
 override TN: u32 = 4u;      // right matrices (result columns of tiles) per subgroup, <= 4
 override ITERS: u32 = 512u; // rounds of TM x TN products
 override WG: u32 = 32u * SG;
 
-struct Params { m: u32, n: u32, k: u32, _pad: u32, }
+struct Params {{ m: u32, n: u32, k: u32, _pad: u32, }}
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<storage, read> a: array<f16>;   // >= 4 x 256 halves
 @group(0) @binding(2) var<storage, read> b: array<f16>;   // >= 4 x 256 halves
@@ -79,65 +92,15 @@ alias Right = subgroup_matrix_right<f16, 16, 16>;
 alias Result = subgroup_matrix_result<f32, 16, 16>;
 
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(subgroup_id) sg: u32) {
-    let l0 = subgroupMatrixLoad<Left>(&a, 0u, false, 16u);
-    let l1 = subgroupMatrixLoad<Left>(&a, 256u, false, 16u);
-    let l2 = subgroupMatrixLoad<Left>(&a, 512u, false, 16u);
-    let l3 = subgroupMatrixLoad<Left>(&a, 768u, false, 16u);
-    let r0 = subgroupMatrixLoad<Right>(&b, 0u, false, 16u);
-    let r1 = subgroupMatrixLoad<Right>(&b, 256u, false, 16u);
-    let r2 = subgroupMatrixLoad<Right>(&b, 512u, false, 16u);
-    let r3 = subgroupMatrixLoad<Right>(&b, 768u, false, 16u);
-    // one variable per matrix, written out, as in psa_gemm_sgmat_tiled.wgsl (arrays of matrices
-    // indexed in loops were slower there); those past TM x TN get no product and are stored as zeros
-    var acc00: Result; var acc01: Result; var acc02: Result; var acc03: Result;
-    var acc10: Result; var acc11: Result; var acc12: Result; var acc13: Result;
-    var acc20: Result; var acc21: Result; var acc22: Result; var acc23: Result;
-    var acc30: Result; var acc31: Result; var acc32: Result; var acc33: Result;
-    for (var t = 0u; t < ITERS; t++) {
-        if (TM > 0u) {
-            if (TN > 0u) { acc00 = subgroupMatrixMultiplyAccumulate(l0, r0, acc00); }
-            if (TN > 1u) { acc01 = subgroupMatrixMultiplyAccumulate(l0, r1, acc01); }
-            if (TN > 2u) { acc02 = subgroupMatrixMultiplyAccumulate(l0, r2, acc02); }
-            if (TN > 3u) { acc03 = subgroupMatrixMultiplyAccumulate(l0, r3, acc03); }
-        }
-        if (TM > 1u) {
-            if (TN > 0u) { acc10 = subgroupMatrixMultiplyAccumulate(l1, r0, acc10); }
-            if (TN > 1u) { acc11 = subgroupMatrixMultiplyAccumulate(l1, r1, acc11); }
-            if (TN > 2u) { acc12 = subgroupMatrixMultiplyAccumulate(l1, r2, acc12); }
-            if (TN > 3u) { acc13 = subgroupMatrixMultiplyAccumulate(l1, r3, acc13); }
-        }
-        if (TM > 2u) {
-            if (TN > 0u) { acc20 = subgroupMatrixMultiplyAccumulate(l2, r0, acc20); }
-            if (TN > 1u) { acc21 = subgroupMatrixMultiplyAccumulate(l2, r1, acc21); }
-            if (TN > 2u) { acc22 = subgroupMatrixMultiplyAccumulate(l2, r2, acc22); }
-            if (TN > 3u) { acc23 = subgroupMatrixMultiplyAccumulate(l2, r3, acc23); }
-        }
-        if (TM > 3u) {
-            if (TN > 0u) { acc30 = subgroupMatrixMultiplyAccumulate(l3, r0, acc30); }
-            if (TN > 1u) { acc31 = subgroupMatrixMultiplyAccumulate(l3, r1, acc31); }
-            if (TN > 2u) { acc32 = subgroupMatrixMultiplyAccumulate(l3, r2, acc32); }
-            if (TN > 3u) { acc33 = subgroupMatrixMultiplyAccumulate(l3, r3, acc33); }
-        }
-    }
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(subgroup_id) sg: u32) {{
+{_LOADS}
+{_ACCS}
+    for (var t = 0u; t < ITERS; t++) {{
+{_PRODUCTS}
+    }}
     let base = (wid.x * SG + sg) * 16u * 256u;
-    subgroupMatrixStore(&c, base, acc00, false, 16u);
-    subgroupMatrixStore(&c, base + 256u, acc01, false, 16u);
-    subgroupMatrixStore(&c, base + 512u, acc02, false, 16u);
-    subgroupMatrixStore(&c, base + 768u, acc03, false, 16u);
-    subgroupMatrixStore(&c, base + 1024u, acc10, false, 16u);
-    subgroupMatrixStore(&c, base + 1280u, acc11, false, 16u);
-    subgroupMatrixStore(&c, base + 1536u, acc12, false, 16u);
-    subgroupMatrixStore(&c, base + 1792u, acc13, false, 16u);
-    subgroupMatrixStore(&c, base + 2048u, acc20, false, 16u);
-    subgroupMatrixStore(&c, base + 2304u, acc21, false, 16u);
-    subgroupMatrixStore(&c, base + 2560u, acc22, false, 16u);
-    subgroupMatrixStore(&c, base + 2816u, acc23, false, 16u);
-    subgroupMatrixStore(&c, base + 3072u, acc30, false, 16u);
-    subgroupMatrixStore(&c, base + 3328u, acc31, false, 16u);
-    subgroupMatrixStore(&c, base + 3584u, acc32, false, 16u);
-    subgroupMatrixStore(&c, base + 3840u, acc33, false, 16u);
-}
+{_STORES}
+}}
 """
 # (SG, TM, TN): workgroups of 8 subgroups with the ceiling's 4 x 4 results each, fewer results
 # (more resident subgroups), and 4 subgroups per workgroup

@@ -80,9 +80,12 @@ def test_R7_a_float16_index_q_gives_the_bits_of_the_float32_layer(backend, d_idx
     q = rng.standard_normal((3, Hkv * G, D)).astype(np.float32)
     iq16 = rng.standard_normal((3, Hkv, d_idx)).astype(np.float16)
     iq16.reshape(-1)[::5] = np.float16(3e-6)  # subnormal halves among them
-    plan = psa.plan_attention(bt, cu, lens, block_size=4, page_size=S, num_q_heads=Hkv * G, num_kv_heads=Hkv,
-                              head_dim=D, kv_dtype="float32", topk=2, causal=True, index_dim=d_idx,
-                              num_index_heads=1, index_dtype="float32", backend=backend)
+    def make_plan():
+        return psa.plan_attention(bt, cu, lens, block_size=4, page_size=S, num_q_heads=Hkv * G, num_kv_heads=Hkv,
+                                  head_dim=D, kv_dtype="float32", topk=2, causal=True, index_dim=d_idx,
+                                  num_index_heads=1, index_dtype="float32", backend=backend)
+
+    plan = make_plan()
     got = plan.run_sparse(q, kd, vd, iq16, ikd, return_lse=True)  # first: no float32 index_q left in place
     want = plan.run_sparse(q, kd, vd, iq16.astype(np.float32), ikd, return_lse=True)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(want, got)), "R7: run_sparse() with a float16 index_q"
@@ -91,9 +94,7 @@ def test_R7_a_float16_index_q_gives_the_bits_of_the_float32_layer(backend, d_idx
     assert all(a.tobytes() == b.tobytes() for a, b in zip(want, sa)), "R7: sparse_attention() with a float16 index_q"
     plan.close()
     if d_idx % 4 == 0:  # a device-resident float16 index_q: bound and widened where it is (a fresh plan)
-        plan = psa.plan_attention(bt, cu, lens, block_size=4, page_size=S, num_q_heads=Hkv * G, num_kv_heads=Hkv,
-                                  head_dim=D, kv_dtype="float32", topk=2, causal=True, index_dim=d_idx,
-                                  num_index_heads=1, index_dtype="float32", backend=backend)
+        plan = make_plan()
         dev = plan.run_sparse(backend.asarray(q), kd, vd, backend.asarray(iq16), ikd, return_lse=True)
         assert all(a.tobytes() == b.numpy().tobytes() for a, b in zip(want, dev)), \
             "R7: run_sparse() with a device-resident float16 index_q"

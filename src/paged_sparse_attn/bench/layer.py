@@ -153,21 +153,22 @@ def _ours(be, lw: LayerWorkload, prob: dict, qs, iqs, ik, repeat: int) -> dict:
     row["attention_host_s"], row["layer_host_s"] = issued
     row["readback_s"] = _readback_time(lambda: att(0), sync, lambda out: out.numpy(), repeat)
     fargs = dict(used_kv_lens=prob["used_kv_lens"], block_size=w.block_size, causal=w.causal, backend=be)
-    row["forward_numpy_s"] = _loop_time(
-        lambda i: __import__("paged_sparse_attn").forward(qs[i], kd, vd, prob["block_tables"], prob["selected"],
-                                                         prob["cu_seqlens_q"], **fargs),
-        lambda r: None, L, repeat, True)
+
+    def forward_loop(queries) -> float:
+        """``forward()`` with host arrays, layer ``i`` on ``queries[i]``: seconds per call."""
+        import paged_sparse_attn as psa
+
+        return _loop_time(lambda i: psa.forward(queries[i], kd, vd, prob["block_tables"], prob["selected"],
+                                                prob["cu_seqlens_q"], **fargs), lambda r: None, L, repeat, True)
+
+    row["forward_numpy_s"] = forward_loop(qs)
     # where a forward() call's time goes: inside the plan runtime (encode, submit, GPU wait and
     # readback) and before it (validation, plan lookup): the wall time minus the runtime's total
     t = dict(be.last_timings)
     for k in ("encode_s", "submit_s", "wait_readback_s", "total_s"):
         if k in t:
             row[f"forward_{k}"] = t[k]
-    qs16 = [q.astype(np.float16) for q in qs]
-    row["forward_numpy_f16_s"] = _loop_time(
-        lambda i: __import__("paged_sparse_attn").forward(qs16[i], kd, vd, prob["block_tables"], prob["selected"],
-                                                         prob["cu_seqlens_q"], **fargs),
-        lambda r: None, L, repeat, True)
+    row["forward_numpy_f16_s"] = forward_loop([q.astype(np.float16) for q in qs])
     # the pass split of one call, from GPU timestamps (a second device of the same adapter)
     try:
         tb = type(be)(timestamps=True)

@@ -392,10 +392,9 @@ class DeviceRuntime:
 
     def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None,
                 handoff=None, wide=None) -> None:
-        """``wide``: ``_widened``'s dispatch of q when the caller made it (before a pass it left open)."""
+        """``wide``: ``_widened``'s dispatch for a float16 ``q`` (its caller makes it, before any
+        pass it leaves open), recorded first in the layer's first pass of attention."""
         bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
-        if wide is None and cp is None:
-            wide = self._widened(enc, q, self.q, "q")  # a float16 q: widened by the pass's first dispatch
         if attention and self.decode:
             # decode: device arrays are bound where they are (bind groups kept per buffer), host
             # arrays written into the plan's buffers; no copies, one pass
@@ -470,7 +469,7 @@ class DeviceRuntime:
             src = x.buffer()  # (device buffers are whole words: an odd n's last word is there)
         else:
             src = self.halves.get(role)
-            if src is None or src.size < 4 * words:
+            if src is None:  # (a role's size is the plan's: made once)
                 src = self.halves[role] = self._buffer(4 * words, BufferUsage.STORAGE | BufferUsage.COPY_DST,
                                                        f"{role}.float16")
             if device:
@@ -636,7 +635,8 @@ class DeviceRuntime:
                 if batched:
                     batch.recording = True  # (a queue operation now would be a bug: _batch.flush raises)
                 if sparse is None:
-                    self._encode(enc, q, k, v, sel, bg_merge=bg_merge, handoff=handoff)
+                    self._encode(enc, q, k, v, sel, bg_merge=bg_merge, handoff=handoff,
+                                 wide=self._widened(enc, q, self.q, "q"))
                 else:
                     self._encode_sparse(enc, q, k, v, *sparse, bg_merge=bg_merge, handoff=handoff)
                 dst = res_buf if device_out else self.rb
