@@ -23,6 +23,16 @@
 // TN right-hand matrices (B) and, one at a time, its TM left-hand matrices (A) from the staged
 // tiles and accumulates acc[i][j] += left_i · right_j (K ascending: a fixed order, R19).
 //
+// Staged tiles of 16-byte words. The staged tiles are arrays of vec4<u32>, so that a unit is
+// written by one 16-byte store; the float16 matrices are loaded from the same words, with the
+// offset and stride of subgroupMatrixLoad counted in the array's elements (16 bytes: 8 halves)
+// and the bytes read as float16. Declared as array<f16>, each unit took eight 2-byte stores: on
+// the H200 (Dawn, NVIDIA's Vulkan driver) the 128 x 256 block ran 242.5 TFLOP/s that way and
+// 255.9 with one store per unit, the same products (scripts/experiment_gemm_matrix_staging.py).
+// A matrix load from an array of another element type than the matrix's is what the Tint of
+// wgpudawn 0.32 accepts and the driver honours; a runtime that refuses it refuses the pipeline,
+// and matmul_rate then skips the tiled variants, saying why (the naive kernel still runs).
+//
 // Overlap (STAGES = 2). The staging is double-buffered: while the subgroups multiply the tiles of
 // step t (stage t % 2), each invocation's loads of step t + 1 are already in flight into its
 // registers; after the products it writes them to the other stage, and one barrier per step
@@ -30,13 +40,15 @@
 // one stage (half the workgroup memory) and adds a barrier before the writes.
 //
 // Bank conflicts. Staged rows are padded by PAD halves (row strides SA = BK + PAD for A and
-// SB = BN + PAD for B; PAD = 8 makes the 8 rows a 16 x 16 matrix load reads per phase start in
-// distinct 16-byte bank groups when the unpadded stride is a multiple of 128 bytes).
+// SB = BN + PAD for B halves, SA8 = SA / 8 and SB8 = SB / 8 words; PAD = 8 makes the 8 rows a
+// 16 x 16 matrix load reads per phase start in distinct 16-byte bank groups when the unpadded
+// stride is a multiple of 128 bytes).
 //
 // Bounds. The host asks only for M % BM = N % BN = K % BK = 0, and for tile shapes whose unit
 // counts divide evenly: (BM BK / 8) and (BK BN / 8) multiples of WG, at most MAX_UNITS units of
 // each operand per invocation, TM, TN <= MAX_T. Every staged-tile matrix load ends inside its
-// array (offset + 15 stride + 16 <= length), so the runtime's bounds predicate never zeroes one.
+// array (in halves: 8 (offset + 15 stride) + 16 <= 8 length), so the runtime's bounds predicate
+// never zeroes one.
 // Subgroup-matrix calls and barriers are made by whole subgroups / the whole workgroup: every
 // branch and loop bound below is uniform (override constants, the workgroup id and params).
 //
@@ -51,7 +63,7 @@
 //   SGM, SGN   subgroups along M and N          TM, TN   16 x 16 result tiles per subgroup
 //   BK         K per staged step (16, 32, 64)   STAGES   staging buffers: 1 or 2
 //   PAD        halves of padding per staged row (a multiple of 8: rows stay 16-byte aligned)
-// Workgroup memory: 2 STAGES (BM SA + BK SB) bytes. Needs a subgroup size of 32. The loader
+// Workgroup memory: 2 STAGES (BM SA + BK SB) bytes (BM SA / 8 and BK SB / 8 words per stage). Needs a subgroup size of 32. The loader
 // prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
 
 override SGM: u32 = 2u;
@@ -69,8 +81,12 @@ override SA: u32 = BK + PAD;                  // row stride of a staged A tile (
 override SB: u32 = BN + PAD;                  // row stride of a staged B tile
 override A_STAGE: u32 = BM * SA;              // halves of one staged A tile
 override B_STAGE: u32 = BK * SB;
-override A_LEN: u32 = STAGES * A_STAGE;
-override B_LEN: u32 = STAGES * B_STAGE;
+override SA8: u32 = SA / 8u;                  // the same in 16-byte words
+override SB8: u32 = SB / 8u;
+override A_STAGE8: u32 = A_STAGE / 8u;
+override B_STAGE8: u32 = B_STAGE / 8u;
+override A_LEN8: u32 = STAGES * A_STAGE8;     // words of the staged A tiles
+override B_LEN8: u32 = STAGES * B_STAGE8;
 override A_ROW_UNITS: u32 = BK / 8u;          // 16-byte units of one row of an A tile
 override B_ROW_UNITS: u32 = BN / 8u;
 override A_UNITS: u32 = BM * A_ROW_UNITS / WG;  // units of A each invocation copies per step
@@ -91,44 +107,12 @@ struct Params {
 @group(0) @binding(2) var<storage, read> b: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read_write> c: array<f32>;
 
-var<workgroup> sa: array<f16, A_LEN>;  // STAGES tiles of A, [row][k] with row stride SA
-var<workgroup> sb: array<f16, B_LEN>;  // STAGES tiles of B, [k][col] with row stride SB
+var<workgroup> sa: array<vec4<u32>, A_LEN8>;  // STAGES tiles of A, [row][k] with row stride SA8 words
+var<workgroup> sb: array<vec4<u32>, B_LEN8>;  // STAGES tiles of B, [k][col] with row stride SB8 words
 
 alias Left = subgroup_matrix_left<f16, 16, 16>;
 alias Right = subgroup_matrix_right<f16, 16, 16>;
 alias Result = subgroup_matrix_result<f32, 16, 16>;
-
-// The 8 halves of a unit to staged[base ..= base + 7] (component 0 of a u32's vec2<f16> is its
-// low half: the lower address).
-fn put_a(base: u32, u: vec4<u32>) {
-    let h0 = bitcast<vec2<f16>>(u.x);
-    let h1 = bitcast<vec2<f16>>(u.y);
-    let h2 = bitcast<vec2<f16>>(u.z);
-    let h3 = bitcast<vec2<f16>>(u.w);
-    sa[base] = h0.x;
-    sa[base + 1u] = h0.y;
-    sa[base + 2u] = h1.x;
-    sa[base + 3u] = h1.y;
-    sa[base + 4u] = h2.x;
-    sa[base + 5u] = h2.y;
-    sa[base + 6u] = h3.x;
-    sa[base + 7u] = h3.y;
-}
-
-fn put_b(base: u32, u: vec4<u32>) {
-    let h0 = bitcast<vec2<f16>>(u.x);
-    let h1 = bitcast<vec2<f16>>(u.y);
-    let h2 = bitcast<vec2<f16>>(u.z);
-    let h3 = bitcast<vec2<f16>>(u.w);
-    sb[base] = h0.x;
-    sb[base + 1u] = h0.y;
-    sb[base + 2u] = h1.x;
-    sb[base + 3u] = h1.y;
-    sb[base + 4u] = h2.x;
-    sb[base + 5u] = h2.y;
-    sb[base + 6u] = h3.x;
-    sb[base + 7u] = h3.y;
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
@@ -163,11 +147,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     for (var i = 0u; i < A_UNITS; i++) {
         let u = i * WG + lid;
-        put_a((u / A_ROW_UNITS) * SA + (u % A_ROW_UNITS) * 8u, ra[i]);
+        sa[(u / A_ROW_UNITS) * SA8 + u % A_ROW_UNITS] = ra[i];
     }
     for (var i = 0u; i < B_UNITS; i++) {
         let u = i * WG + lid;
-        put_b((u / B_ROW_UNITS) * SB + (u % B_ROW_UNITS) * 8u, rb[i]);
+        sb[(u / B_ROW_UNITS) * SB8 + u % B_ROW_UNITS] = rb[i];
     }
     workgroupBarrier();
 
@@ -184,40 +168,41 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 rb[i] = b[(kn + u / B_ROW_UNITS) * nq + col0 / 8u + u % B_ROW_UNITS];
             }
         }
-        let sa0 = (t % STAGES) * A_STAGE + srow * SA;
-        let sb0 = (t % STAGES) * B_STAGE + scol;
+        // offsets and strides in words (8 halves)
+        let sa0 = (t % STAGES) * A_STAGE8 + srow * SA8;
+        let sb0 = (t % STAGES) * B_STAGE8 + scol / 8u;
         let kk_n = (BK + 15u) / 16u;
         for (var kk_i = 0u; kk_i < kk_n; kk_i++) {
             let kk = kk_i * 16u;
-            let sbk = sb0 + kk * SB;
-            if (TN > 0u) { r0 = subgroupMatrixLoad<Right, row_major>(&sb, sbk, SB); }
-            if (TN > 1u) { r1 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 16u, SB); }
-            if (TN > 2u) { r2 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 32u, SB); }
-            if (TN > 3u) { r3 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 48u, SB); }
+            let sbk = sb0 + kk * SB8;
+            if (TN > 0u) { r0 = subgroupMatrixLoad<Right, row_major>(&sb, sbk, SB8); }
+            if (TN > 1u) { r1 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 2u, SB8); }
+            if (TN > 2u) { r2 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 4u, SB8); }
+            if (TN > 3u) { r3 = subgroupMatrixLoad<Right, row_major>(&sb, sbk + 6u, SB8); }
             // left-hand matrices one at a time: row i of result tiles
             if (TM > 0u) {
-                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + kk, SA);
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + kk / 8u, SA8);
                 if (TN > 0u) { acc00 = subgroupMatrixMultiplyAccumulate(l, r0, acc00); }
                 if (TN > 1u) { acc01 = subgroupMatrixMultiplyAccumulate(l, r1, acc01); }
                 if (TN > 2u) { acc02 = subgroupMatrixMultiplyAccumulate(l, r2, acc02); }
                 if (TN > 3u) { acc03 = subgroupMatrixMultiplyAccumulate(l, r3, acc03); }
             }
             if (TM > 1u) {
-                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 16u * SA + kk, SA);
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 16u * SA8 + kk / 8u, SA8);
                 if (TN > 0u) { acc10 = subgroupMatrixMultiplyAccumulate(l, r0, acc10); }
                 if (TN > 1u) { acc11 = subgroupMatrixMultiplyAccumulate(l, r1, acc11); }
                 if (TN > 2u) { acc12 = subgroupMatrixMultiplyAccumulate(l, r2, acc12); }
                 if (TN > 3u) { acc13 = subgroupMatrixMultiplyAccumulate(l, r3, acc13); }
             }
             if (TM > 2u) {
-                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 32u * SA + kk, SA);
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 32u * SA8 + kk / 8u, SA8);
                 if (TN > 0u) { acc20 = subgroupMatrixMultiplyAccumulate(l, r0, acc20); }
                 if (TN > 1u) { acc21 = subgroupMatrixMultiplyAccumulate(l, r1, acc21); }
                 if (TN > 2u) { acc22 = subgroupMatrixMultiplyAccumulate(l, r2, acc22); }
                 if (TN > 3u) { acc23 = subgroupMatrixMultiplyAccumulate(l, r3, acc23); }
             }
             if (TM > 3u) {
-                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 48u * SA + kk, SA);
+                let l = subgroupMatrixLoad<Left, row_major>(&sa, sa0 + 48u * SA8 + kk / 8u, SA8);
                 if (TN > 0u) { acc30 = subgroupMatrixMultiplyAccumulate(l, r0, acc30); }
                 if (TN > 1u) { acc31 = subgroupMatrixMultiplyAccumulate(l, r1, acc31); }
                 if (TN > 2u) { acc32 = subgroupMatrixMultiplyAccumulate(l, r2, acc32); }
@@ -231,11 +216,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let s = (t + 1u) % STAGES;
             for (var i = 0u; i < A_UNITS; i++) {
                 let u = i * WG + lid;
-                put_a(s * A_STAGE + (u / A_ROW_UNITS) * SA + (u % A_ROW_UNITS) * 8u, ra[i]);
+                sa[s * A_STAGE8 + (u / A_ROW_UNITS) * SA8 + u % A_ROW_UNITS] = ra[i];
             }
             for (var i = 0u; i < B_UNITS; i++) {
                 let u = i * WG + lid;
-                put_b(s * B_STAGE + (u / B_ROW_UNITS) * SB + (u % B_ROW_UNITS) * 8u, rb[i]);
+                sb[s * B_STAGE8 + (u / B_ROW_UNITS) * SB8 + u % B_ROW_UNITS] = rb[i];
             }
         }
         workgroupBarrier();

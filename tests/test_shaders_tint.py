@@ -90,3 +90,32 @@ def test_gemm_error_bound_passes_the_exact_product_and_fails_a_lost_k_step():
     nan = blocked.copy()
     nan[0, 0] = np.nan
     assert not np.all(np.abs(nan - ref) <= bound)
+
+
+def test_a_gemm_variant_whose_pipeline_the_runtime_refuses_is_skipped_with_its_reason(tint_device, monkeypatch):
+    """The tiled GEMM loads float16 matrices from 16-byte words, which a runtime may refuse: such
+    a variant is a skipped row carrying the runtime's message (the others still run), and with
+    every variant refused ``matmul_rate`` raises ``UnsupportedError`` listing why, not a rate."""
+    from types import SimpleNamespace
+
+    from paged_sparse_attn import DeviceError, UnsupportedError
+    from paged_sparse_attn.backends.wgpu import _ceilings, _kernels
+
+    device, ctx = tint_device
+    lim = dict(device.limits)
+    ctx = SimpleNamespace(**vars(ctx), device=device, subgroup=(32, ""),
+                          workgroup_storage=lim["max-compute-workgroup-storage-size"],
+                          max_invocations=lim["max-compute-invocations-per-workgroup"])
+
+    def refuse(ctx, kernel, constants, **kw):
+        raise DeviceError(f"WGSL backend: pipeline creation of {kernel}:main failed (GPUValidationError): "
+                          "no matching call to 'subgroupMatrixLoad'")
+
+    monkeypatch.setattr(_kernels, "pipeline", refuse)
+    rows = _ceilings.matmul_variants(ctx, 256, repeat=1)
+    assert rows and all(r["skipped"] for r in rows)
+    fitting = [r for r in rows if "refuses its pipeline" in r["skipped"]]
+    assert fitting and all("no matching call to 'subgroupMatrixLoad'" in r["skipped"] for r in fitting)
+    assert all("flop_per_s" not in r for r in rows)
+    with pytest.raises(UnsupportedError, match="refuses its pipeline"):
+        _ceilings.matmul_rate(ctx, 256, repeat=1)

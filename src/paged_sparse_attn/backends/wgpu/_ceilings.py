@@ -299,7 +299,8 @@ def matmul_variants(ctx: Any, m: int = 4096, n: int | None = None, k: int | None
     """Time and check C = A · B (A [m, k], B [k, n] float16, C float32) with every variant.
 
     Returns one dict per variant: ``name, kernel, constants, block, workgroup_bytes, skipped``
-    (why it could not run here, else None) and, for those that ran, ``flop_per_s, gemm_s,
+    (why it could not run here, else None: it does not fit the device, or the runtime refuses
+    its pipeline) and, for those that ran, ``flop_per_s, gemm_s,
     max_abs_err, err_bound`` (the largest element of :func:`gemm_error_bound` over the checked
     rows), ``ok`` (every checked element within its bound; NaN fails) and ``timer``.
     Nothing is raised for a wrong product here: :func:`matmul_rate` does.
@@ -332,7 +333,14 @@ def matmul_variants(ctx: Any, m: int = 4096, n: int | None = None, k: int | None
                 out.append(row)
                 if row["skipped"]:
                     continue
-                pipe, bgl = pipeline(ctx, v.kernel, v.c)
+                try:
+                    pipe, bgl = pipeline(ctx, v.kernel, v.c)
+                except DeviceError as exc:
+                    # a runtime may refuse what the tiled kernel relies on (its float16 matrices
+                    # loaded from 16-byte words, read its header): that variant does not run here,
+                    # and the row says why
+                    row["skipped"] = f"the runtime refuses its pipeline: {exc}"
+                    continue
                 bg = dev.create_bind_group(layout=bgl, entries=[
                     {"binding": i, "resource": {"buffer": x}} for i, x in enumerate((pb, ab, bb, cb))])
                 bm, bn, _ = v.block
