@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _wgsl_variants import use
-from experiment_gemm_peak import SIZE, torch_rate
+from experiment_gemm_peak import SIZE, add_arguments, torch_rate
 
 from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu._ceilings import (
@@ -75,6 +75,8 @@ def matrix_staged_source(src: str) -> str:
     body = src.partition("@compute @workgroup_size(WG)")[2]
     products = body[body.index("        let sa0 = (t % STAGES)"):body.index("        if (more) {\n            if (STAGES == 1u)")]
     tail = body[body.index("    let c0 = (row0 + srow) * n + col0 + scol;"):]
+    # the kernel's signature, sizes, block offsets and result / right-hand matrices, as they are
+    prologue = body[:body.index("    var ra: array<vec4<u32>, MAX_UNITS>;")]
     return f"""{head}
 override NSG: u32 = SGM * SGN;
 override A_TK: u32 = BK / 16u;                 // 16-column tiles along K of a staged tile
@@ -96,23 +98,7 @@ fn b_dst(j: u32) -> u32 {{
     return 16u * (j / B_TN) * SB + 16u * (j % B_TN);
 }}
 
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
-        @builtin(subgroup_id) sg: u32) {{
-    let n = params.n;
-    let k_len = params.k;
-    let row0 = wid.y * BM;
-    let col0 = wid.x * BN;
-    let srow = (sg / SGN) * 16u * TM;
-    let scol = (sg % SGN) * 16u * TN;
-    let steps = k_len / BK;
-
-    var acc00: Result; var acc01: Result; var acc02: Result; var acc03: Result;
-    var acc10: Result; var acc11: Result; var acc12: Result; var acc13: Result;
-    var acc20: Result; var acc21: Result; var acc22: Result; var acc23: Result;
-    var acc30: Result; var acc31: Result; var acc32: Result; var acc33: Result;
-    var r0: Right; var r1: Right; var r2: Right; var r3: Right;
-{decl_a}
+@compute @workgroup_size(WG){prologue}{decl_a}
 {decl_b}
 
 {loads("0u")}
@@ -141,10 +127,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", default="dawn")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--no-torch", action="store_true")
+    add_arguments(ap)
     ap.add_argument("--rev", default="e2bc358", help="a revision whose staged tiles are array<f16>")
     ap.add_argument("--print-source", action="store_true")
     a = ap.parse_args()

@@ -158,12 +158,17 @@ def torch_rate() -> float | None:
     return 2.0 * SIZE ** 3 / float(np.median(ts)) / 1e12
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap) -> None:
+    """The options of the GEMM experiments: ``--backend``, ``--rounds``, ``--repeat``, ``--no-torch``."""
     ap.add_argument("--backend", default="dawn")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-torch", action="store_true")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
     ap.add_argument("--rev", action="append", default=[], help="a git revision whose tiled kernel to time too")
     a = ap.parse_args()
     register(PEAK_KERNEL, PEAK_WGSL, _kernels.KERNEL_TABLE[GEMM_TILED_KERNEL])

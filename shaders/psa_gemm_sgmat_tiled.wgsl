@@ -27,8 +27,8 @@
 // written by one 16-byte store; the float16 matrices are loaded from the same words, with the
 // offset and stride of subgroupMatrixLoad counted in the array's elements (16 bytes: 8 halves)
 // and the bytes read as float16. Declared as array<f16>, each unit took eight 2-byte stores: on
-// the H200 (Dawn, NVIDIA's Vulkan driver) the 128 x 256 block ran 242.5 TFLOP/s that way and
-// 255.9 with one store per unit, the same products (scripts/experiment_gemm_matrix_staging.py).
+// the H200 (Dawn, NVIDIA's Vulkan driver) the 128 x 256 block ran 241.0 TFLOP/s that way and
+// 255.2 with one store per unit, the same products (scripts/experiment_gemm_matrix_staging.py).
 // A matrix load from an array of another element type than the matrix's is what the Tint of
 // wgpudawn 0.32 accepts and the driver honours; a runtime that refuses it refuses the pipeline,
 // and matmul_rate then skips the tiled variants, saying why (the naive kernel still runs).
@@ -63,8 +63,8 @@
 //   SGM, SGN   subgroups along M and N          TM, TN   16 x 16 result tiles per subgroup
 //   BK         K per staged step (16, 32, 64)   STAGES   staging buffers: 1 or 2
 //   PAD        halves of padding per staged row (a multiple of 8: rows stay 16-byte aligned)
-// Workgroup memory: 2 STAGES (BM SA + BK SB) bytes (BM SA / 8 and BK SB / 8 words per stage). Needs a subgroup size of 32. The loader
-// prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
+// Workgroup memory: 2 STAGES (BM SA + BK SB) bytes (BM SA / 8 and BK SB / 8 words per stage).
+// Needs a subgroup size of 32. The loader prepends `enable f16;`, the subgroup-matrix directive and `enable subgroups;`.
 
 override SGM: u32 = 2u;
 override SGN: u32 = 4u;

@@ -93,9 +93,10 @@ def test_gemm_error_bound_passes_the_exact_product_and_fails_a_lost_k_step():
 
 
 def test_a_gemm_variant_whose_pipeline_the_runtime_refuses_is_skipped_with_its_reason(tint_device, monkeypatch):
-    """The tiled GEMM loads float16 matrices from 16-byte words, which a runtime may refuse: such
-    a variant is a skipped row carrying the runtime's message (the others still run), and with
-    every variant refused ``matmul_rate`` raises ``UnsupportedError`` listing why, not a rate."""
+    """The tiled GEMM loads float16 matrices from 16-byte words, which a runtime may refuse: a
+    variant whose pipeline is refused is a skipped row carrying the runtime's message, not an
+    exception, and with every variant refused ``matmul_rate`` raises ``UnsupportedError`` listing
+    why, not a rate."""
     from types import SimpleNamespace
 
     from paged_sparse_attn import DeviceError, UnsupportedError

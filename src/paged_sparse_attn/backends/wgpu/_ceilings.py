@@ -300,9 +300,9 @@ def matmul_variants(ctx: Any, m: int = 4096, n: int | None = None, k: int | None
 
     Returns one dict per variant: ``name, kernel, constants, block, workgroup_bytes, skipped``
     (why it could not run here, else None: it does not fit the device, or the runtime refuses
-    its pipeline) and, for those that ran, ``flop_per_s, gemm_s,
-    max_abs_err, err_bound`` (the largest element of :func:`gemm_error_bound` over the checked
-    rows), ``ok`` (every checked element within its bound; NaN fails) and ``timer``.
+    its pipeline) and, for those that ran, ``flop_per_s, gemm_s, max_abs_err, err_bound`` (the
+    largest element of :func:`gemm_error_bound` over the checked rows), ``ok`` (every checked
+    element within its bound; NaN fails) and ``timer``.
     Nothing is raised for a wrong product here: :func:`matmul_rate` does.
     Needs the subgroup-matrix feature (16x16x16).
     """
