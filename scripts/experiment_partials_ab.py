@@ -6,10 +6,12 @@ bench's prefill layer workload (B = 1, L = 32k, the last 4096 queries, causal, t
 128-token blocks, float16 caches) as the GPU time of a planned attention call's partials and
 combine (timestamps), each version on a fresh device, in alternating rounds; every output is
 compared bit for bit with every other version's (the largest difference when they differ). The
-host picks the geometry as it does now, so a version must take the same override constants.
+host picks the geometry as it does now, so a version must take the same override constants;
+``--rows LABEL=R`` caps that version's rows per work item at R (a kernel from before items of
+64 rows: ``--rev c74a2ef --rows 'at c74a2ef=32'``).
 Run on a machine with Dawn and f16 subgroup matrices:
 
-    python scripts/experiment_partials_ab.py --rev e603a7a [--variant LABEL=DIR] [--rounds 2] [--calls 4]
+    python scripts/experiment_partials_ab.py --rev e603a7a [--variant LABEL=DIR] [--rows LABEL=R] [--rounds 2] [--calls 4]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import _layer_inputs as li
 from _wgsl_variants import original, print_medians, register
 
 from paged_sparse_attn import registry
-from paged_sparse_attn.backends.wgpu import _kernels
+from paged_sparse_attn.backends.wgpu import _kernels, _sgmat
 
 BASE = "psa_partials_sgmat.wgsl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", action="append", default=[], help="a git revision whose kernel to time (repeatable)")
     ap.add_argument("--variant", action="append", default=[], help="LABEL=DIR: a folder holding the kernel file")
+    ap.add_argument("--rows", action="append", default=[], help="LABEL=R: at most R rows per work item for that version")
     ap.add_argument("--backend", default="dawn")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--calls", type=int, default=4)
@@ -58,10 +61,15 @@ def main() -> int:
     row = _kernels.KERNEL_TABLE[BASE]
     res: dict = {}
     outs: dict = {}
+    caps = {label: int(r) for label, _, r in (x.rpartition("=") for x in a.rows)}
+    candidates = _sgmat._candidates
     try:
         for r in range(a.rounds):
             for label, src in srcs.items():
                 register(BASE, src, row)
+                cap = caps.get(label)
+                _sgmat._candidates = candidates if cap is None else (
+                    lambda ctx, D, bs, rows, _c=cap: candidates(ctx, D, bs, min(rows, _c)))
                 be = type(registry.get_backend(a.backend))(timestamps=True)
                 try:
                     t, out, geo = li.attention_gpu_time(be, lw, prob, a.calls)
@@ -79,6 +87,7 @@ def main() -> int:
                     be.close()
     finally:
         register(BASE, srcs["as it is"], row)
+        _sgmat._candidates = candidates
     print_medians(res, 24)
     return 0
 

@@ -7,9 +7,11 @@ the float16 matrices loaded from the same words (``psa_gemm_sgmat_tiled.wgsl``).
 that variant of the partials kernel (the K/V tile in an array of words of its own, its matrix
 loads' offsets and strides in words, the FMA path's scalar reads unpacked from the words; the
 query and weight tiles unchanged) into a folder and times it against the kernel as it is with
-``experiment_partials_ab.py`` (same bits expected).
+``experiment_partials_ab.py`` (same bits expected). The kernel is taken at a revision from
+before its items of 64 rows (``--rev``, default c74a2ef; since then every tile it stages is
+words), and both versions run with that kernel's 32 rows per item.
 
-    python scripts/experiment_partials_kv_words.py [--out DIR] [--rounds 2]
+    python scripts/experiment_partials_kv_words.py [--rev c74a2ef] [--out DIR] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="folder for the variant (default: a temporary one)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rev", default="c74a2ef", help="the revision whose kernel to vary")
     a = ap.parse_args()
     out = Path(a.out or tempfile.mkdtemp(prefix="kv-words-"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / KERNEL).write_text(kv_words_source((ROOT / "shaders" / KERNEL).read_text()))
+    base = subprocess.run(["git", "show", f"{a.rev}:shaders/{KERNEL}"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+    (out / KERNEL).write_text(kv_words_source(base))
     return subprocess.call([sys.executable, str(ROOT / "scripts" / "experiment_partials_ab.py"),
-                            "--variant", f"kv-words={out}", "--rounds", str(a.rounds)])
+                            "--rev", a.rev, "--rows", f"at {a.rev}=32", "--variant", f"kv-words={out}",
+                            "--rows", "kv-words=32", "--rounds", str(a.rounds)])
 
 
 if __name__ == "__main__":

@@ -22,29 +22,46 @@
 // s = invocations 32 s .. 32 s + 31), on float16 caches, D % 16 == 0, and blocks of at most BK
 // positions.
 //
+// One array of 16-byte words. Everything the matrices load and store lives in `wmem`, an array
+// of vec4<u32>: float16 matrices are loaded from its words and float32 ones stored to them, with
+// offsets and strides counted in words (the Tint of wgpudawn 0.32 takes a matrix of another
+// component type than the array's element, and reads or writes its bytes), so that areas of
+// different types can share the same words at different times. Per row r of the item, SW words
+// from word r SW: first the row's split query (hi at word 0, lo at word PW; D / 8 words each),
+// then its block of float32 scores (BK floats from word 0), then its split weights written over
+// the scores (P hi at word 0, P lo at word PW; BK / 8 words each) with two codes per position
+// in the words after each (below); o at the end (D floats from word 0). The K/V tile follows
+// the rows (TK rows of HW words). SW = 2 PW + 1 and HW = D / 8 + 1 are odd, so the 8 rows a
+// matrix load reads per phase fall in distinct 16-byte bank groups.
+//
 // Algorithm (one work item; rows = M, keys = N, head dim = K of the matrix products)
 //   0. Q: each row's query is scaled by an exact power of two 2^e (its largest |q| into
 //      [2^14, 2^15): no float16 overflow, no subnormal loss of a whole row) and split into
 //      hi = q 2^e with its mantissa cut to 11 bits (hi11: a float16 value) and
 //      lo = f16(q 2^e - hi): hi + lo carries ~21 bits of q 2^e. A row whose q holds NaN or
 //      +-inf sets the item's FMA flag (step 1 then runs on FMAs, as psa_partials.wgsl does).
+//      The split rows are staged once; each subgroup loads its 16-row block of them as D / 16
+//      pairs of left-hand matrices, held in registers for the whole of step 1.
 //   1. Scores of the whole block (max_len <= BK positions), a K tile of TK keys at a time:
 //      S' = Qhi K^T + Qlo K^T on subgroup matrices (f16 products are exact in f32, f32
-//      accumulation), stored to workgroup memory, then s = (S' 2^-e) * scale (2^-e exact). A
-//      tile whose readable K holds NaN or +-inf (or an item with the FMA flag) computes its
+//      accumulation), stored over the staged queries, then s = (S' 2^-e) * scale (2^-e exact).
+//      A tile whose readable K holds NaN or +-inf (or an item with the FMA flag) computes its
 //      scores with f32 FMAs from the f32 q instead: the FMA kernel's scores, in its order.
 //   2. Softmax of the whole block (f32, as psa_partials.wgsl step 3 over one tile of max_len
-//      keys), SL consecutive lanes per row: m = max over attended scores (R26: -inf removes its
-//      position, NaN is kept), p = exp(s - m) (REMOVED = -1: removed; 0: not attended), l = sum
-//      p, the lanes' maxima and sums combined by shuffles. Each weight is written at once, split
-//      like Q (hi = hi11(p), lo = f16(p - hi); 0 for a removed weight or a NaN row), into the
-//      block's P hi / P lo where Q was; the scores stay (the rare path of step 3 forms a weight
-//      again from its score). One block is one tile of the online softmax (R14): o is never
-//      rescaled, so it stays in registers.
+//      keys), SL consecutive lanes per row, each NK = BK / SL consecutive positions: the lane
+//      reads its scores into registers; m = max over attended scores (R26: -inf removes its
+//      position, NaN is kept), the lanes' maxima combined by shuffles; a barrier (every row's
+//      scores are read); p = exp(s - m) (removed: not a weight; 0: not attended), l = sum p
+//      (the lane's positions in order, then a butterfly). The weights are written over the
+//      scores, split like Q (hi = hi11(p), lo = f16(p - hi); 0 for a removed weight or a NaN
+//      row), with two bits per position for step 3's rare path: "its weight enters" (attended
+//      and not removed; in the CW words after P hi) and "its weight is 0" (exp underflowed; after
+//      P lo), a u32 of each per invocation. One block is one tile of the online softmax (R14): o is never rescaled, so it
+//      stays in registers.
 //   3. o = P V, a V tile of TK keys at a time, as two products (P hi V + P lo V). Accumulators
 //      stay in subgroup-matrix registers for the whole item; each subgroup owns one 16-row
 //      block and NDT 16-column blocks of o.
-//   4. o is staged through workgroup memory and the item's rows are written out.
+//   4. o is staged through the words and the item's rows are written out.
 // Every K/V tile's global loads are issued into registers one tile ahead (the next K tile, then
 // the first V tile during the last K tile and the softmax, then the next V tile), the first K
 // tile's together with the queries': the kernel waits on a load only once per item.
@@ -53,32 +70,32 @@
 //   - positions of INVALID pages and past max_len are never read (zeros in the tiles);
 //   - a masked (row, key) pair has p = 0 and a removed one p = REMOVED -> 0 in the f16 P tile; V
 //     values that are NaN or +-inf are replaced by 0 in the staged V tile, so no product 0 * NaN
-//     can reach a row through the matrix product. Instead every attended, not removed (row,
-//     key) pair whose v[d] is non-finite marks (row, d) in `poison` (2 bits: +inf seen, -inf
-//     seen; both for NaN, for 0 * inf and for +inf + -inf): the written o[d] is then what the
-//     FMA kernel's sum gives, NaN, +inf or -inf;
+//     can reach a row through the matrix product. Instead every (row, key) pair whose weight
+//     enters and whose v[d] is non-finite marks (row, d) in `poison` (2 bits: +inf seen, -inf
+//     seen; both for NaN, for 0 * inf, i.e. a weight that is 0, and for +inf + -inf): the
+//     written o[d] is then what the FMA kernel's sum gives, NaN, +inf or -inf;
 //   - a row with a NaN l (a NaN or +inf score) gets o = NaN in every component, as p = NaN
 //     gives in the FMA kernel (its P entries enter the product as 0);
 //   - REMOVED and NaN are tested on bits: a compiler may turn select(p, 0, p < 0) into
 //     max(p, 0), which drops a NaN (measured on the H200 through Dawn).
 //
 // Determinism (R19): the order of every sum is fixed by the constants (tiles, subgroup-matrix
-// products in k order, the softmax's strided partial sums reduced by a fixed butterfly).
+// products in k order, each softmax lane's positions in order, the lanes' partial sums reduced
+// by a fixed butterfly).
 //
 // Override constants
-//   D     head dim (multiple of 16)         S    page size
+//   D     head dim (multiple of 16, <= 256)  S    page size
 //   TK    keys per K/V tile (multiple of 16, <= D)
 //   BK    positions per block the kernel holds (multiple of TK, >= max_len of every item)
 //   RMAX  rows per work item (multiple of 16)
 //   WG    workgroup size: 32 * NSG subgroups; NSG a multiple of RMAX / 16 and the column blocks
 //         of o (D / 16) divisible by NSG / (RMAX / 16), at most 8 per subgroup (NDT); the
-//         score tiles of a K tile are dealt out to the subgroups (some idle when there are fewer)
+//         score tiles of a K tile are dealt out to the subgroups (some idle when there are fewer);
+//         NK = BK / (WG / RMAX) a multiple of 8 up to 32
 //   LD, LQ (derived) K/V and query units an invocation holds in registers: at most 8 each
-// Workgroup memory (bytes, each variable rounded to 16): 2 * HCAP + 4 * SCAP + 4 * BK
-//   + 6 * 4 * RMAX + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes: 45376 for
-//   D = 128, RMAX = 32 and BK = 128, whatever WG). The host checks
-//   2 * RMAX * max(HS, PB) + TK * HS <= HCAP and RMAX * SB <= SCAP, HS = D + 8, PB = BK + 8,
-//   SB = max(BK, D) + 4.
+// Workgroup memory (bytes, each variable rounded to 16): 16 * WCAP + 4 * BK + 6 * 4 * RMAX
+//   + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes: 48704 for D = 128, RMAX = 64
+//   and BK = 128). The host checks RMAX * SW + TK * HW <= WCAP.
 
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
 // uniformity, and the tile offsets derive from the subgroup index tid / 32 (uniform within a
@@ -96,22 +113,27 @@ override RMAX: u32;
 override WG: u32 = 128u;
 override TD: u32 = D / 4u;                 // vec4<f16> per cache row (the Params' slab units)
 override D8: u32 = D / 8u;                 // vec4<u32> (8 halves) per cache row
-override HS: u32 = D + 8u;                 // f16 row stride of the Q and K/V tiles (16-byte rows)
-override PB: u32 = BK + 8u;                // f16 row stride of the block's P hi / P lo (in the Q area)
-override QA: u32 = max(HS, PB);           // f16 row stride of the Q / P area (rows of both fit)
-override SB: u32 = max(BK, D) + 4u;        // f32 row stride of the score / o tile
+override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row (a power of two, <= 32: one butterfly)
+override CW: u32 = (SL + 3u) / 4u;         // words of one code (a u32 per softmax invocation)
+override PW: u32 = max(D, BK) / 8u + CW;   // words of a row's hi (or lo) half: data, then a code
+override SW: u32 = 2u * PW + 1u;           // words per row (odd)
+override SBF: u32 = 4u * SW;               // floats per row (scores, o)
+override HW: u32 = D8 + 1u;                // words per K/V tile row (odd)
+override KVW: u32 = RMAX * SW;             // word of the K/V tile
 override NSG: u32 = WG / 32u;              // subgroups
 override NRB: u32 = RMAX / 16u;            // 16-row blocks
 override CS: u32 = NSG / NRB;              // subgroups per row block
 override NDT: u32 = D / 16u / CS;          // 16-column blocks of o per subgroup
 override NST: u32 = (NRB * (TK / 16u) + NSG - 1u) / NSG;  // 16x16 score tiles per subgroup and K tile
-override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row (a power of two, <= 32: one butterfly)
+override NK: u32 = BK / SL;                // positions per softmax invocation (a multiple of 8, <= 32)
+override NKL: u32 = NK / 4u;               // their vec4 of scores (<= 8, in registers)
 override NPW: u32 = D / 16u;               // poison words per row (2 bits per column)
 override QV: u32 = D / 4u;                 // vec4 per query row
 override LD: u32 = (TK * D8 + WG - 1u) / WG;  // K/V units per invocation and tile (<= 8)
 override LQ: u32 = (RMAX * QV + WG - 1u) / WG;  // query units per invocation (<= 8)
-// NDT <= 8: eight named accumulators (no array: an array of matrices indexed in a loop may
-// live in local memory), those past NDT removed by the compiler (NDT is a pipeline constant)
+// NDT <= 8: eight named accumulators, D / 16 <= 16 pairs of named query matrices (no arrays: an
+// array of matrices indexed in a loop may live in local memory), those past NDT and D / 16
+// removed by the compiler (pipeline constants)
 const INVALID: u32 = 0xffffffffu;
 
 struct Params {
@@ -133,15 +155,11 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
-// The arrays the subgroup matrices load from and store to have constant sizes (the builtins take
-// no override-sized array): capacities for the largest geometry the host picks within 48 KiB;
-// the host checks 2 * RMAX * max(HS, PB) + TK * HS <= HCAP and RMAX * SB <= SCAP.
-const HCAP: u32 = 13056u;  // f16: Q hi at 0, Q lo at RMAX * QA ([row][d], stride HS) in step 1, P hi
-                           // / P lo there ([row][key], stride PB) from step 2; the K or V tile at KVO
-const SCAP: u32 = 4224u;   // f32: scores, then o ([row][position or d], stride SB)
-override KVO: u32 = 2u * RMAX * QA;
-var<workgroup> hmem: array<f16, HCAP>;
-var<workgroup> sbuf: array<f32, SCAP>;
+// The capacity of the word array (the builtins take no override-sized array): the largest
+// geometry the host picks within 48 KiB (RMAX = 64, D = BK = 128, TK = 32: 64 * 35 + 32 * 17);
+// the host checks RMAX * SW + TK * HW <= WCAP.
+const WCAP: u32 = 2784u;
+var<workgroup> wmem: array<vec4<u32>, WCAP>;
 var<workgroup> key_src: array<u32, BK>;             // vec4<u32> index of each position's cache row, or INVALID
 var<workgroup> row_len: array<u32, RMAX>;           // edge_len of the row's edge (0: no such row)
 var<workgroup> row_q: array<u32, RMAX>;             // vec4 index of the row's query
@@ -154,6 +172,7 @@ var<workgroup> q_bad: u32;      // 1: a query of the item holds NaN or +-inf (FM
 var<workgroup> flag0: u32;      // 1: the tile holds NaN or +-inf at a readable position;
 var<workgroup> flag1: u32;      //    two flags, alternating by tile, so that a reset never races a set
 var<workgroup> poisoned: u32;   // 1: some (row, d) of the item is poisoned
+
 
 const NEG_INF_BITS: u32 = 0xff800000u;
 // the weight of a removed position (exp never gives a negative number; a -0 marker is not safe:
@@ -192,14 +211,24 @@ fn nonfinite_halves(w: u32) -> u32 {
     return select(0u, 1u, (w & 0x7c00u) == 0x7c00u) | select(0u, 2u, (w & 0x7c000000u) == 0x7c000000u);
 }
 
-fn tile_end(len: u32, k0: u32, nk: u32) -> u32 {
-    return min(nk, select(0u, len - k0, len > k0));
+// Float k of row r (a score, or an element of o), as a word component
+fn s_get(r: u32, k: u32) -> f32 {
+    let i = r * SBF + k;
+    return bitcast<f32>(wmem[i / 4u][i % 4u]);
+}
+fn s_set(r: u32, k: u32, x: f32) {
+    let i = r * SBF + k;
+    wmem[i / 4u][i % 4u] = bitcast<u32>(x);
+}
+// half i (row * 8 HW + column) of the K/V tile
+fn kvh(i: u32) -> f16 {
+    return bitcast<vec2<f16>>(wmem[KVW + i / 8u][(i % 8u) / 2u])[i % 2u];
 }
 
 // The K/V tiles are staged in two steps, so that a tile's loads are in flight while the
 // previous tile is multiplied: load_unit reads unit x (8 float16) of the TK-key tile at block
 // position k0 from K (which = 0) or V (1) into registers, zeros for an unreadable position;
-// store_unit writes it to the tile in workgroup memory. store_unit returns true if the unit holds
+// store_unit writes it to the tile (one word). store_unit returns true if the unit holds
 // NaN or +-inf (at a readable position: unreadable ones are zeros); in V such halves are stored
 // as 0, so that no product 0 * NaN can reach a row through the matrix product (R10, R26).
 fn load_unit(x: u32, k0: u32, which: u32) -> vec4<u32> {
@@ -232,19 +261,7 @@ fn store_unit(x: u32, u_in: vec4<u32>, which: u32) -> bool {
                      | select(vec4<u32>(0u), vec4<u32>(0xffff0000u), (f & vec4<u32>(2u)) != vec4<u32>(0u)));
         u = u & keep;
     }
-    let b = KVO + k * HS + 8u * j;
-    let h0 = bitcast<vec2<f16>>(u.x);
-    let h1 = bitcast<vec2<f16>>(u.y);
-    let h2 = bitcast<vec2<f16>>(u.z);
-    let h3 = bitcast<vec2<f16>>(u.w);
-    hmem[b] = h0.x;
-    hmem[b + 1u] = h0.y;
-    hmem[b + 2u] = h1.x;
-    hmem[b + 3u] = h1.y;
-    hmem[b + 4u] = h2.x;
-    hmem[b + 5u] = h2.y;
-    hmem[b + 6u] = h3.x;
-    hmem[b + 7u] = h3.y;
+    wmem[KVW + k * HW + j] = u;
     return bad;
 }
 
@@ -269,8 +286,8 @@ fn q_max(x: u32, v: vec4<f32>) -> bool {
     return mb >= 0x7f800000u;
 }
 
-// Write the scaled hi / lo split of query unit x (zeros for a row with a non-finite q: its
-// scores come from FMAs).
+// The scaled hi / lo split of query unit x into its row's words (hi at word r SW + c / 2, lo PW
+// words further; two halves a u32; zeros for a row with a non-finite q: its scores come from FMAs)
 fn q_split(x: u32, v: vec4<f32>) {
     if (x >= RMAX * QV) {
         return;
@@ -292,16 +309,12 @@ fn q_split(x: u32, v: vec4<f32>) {
     if (c == 0u) {
         row_down[r] = pow2(-e);
     }
-    let b = r * HS + 4u * c;
-    hmem[b] = hi.x;
-    hmem[b + 1u] = hi.y;
-    hmem[b + 2u] = hi.z;
-    hmem[b + 3u] = hi.w;
-    let bl = RMAX * QA + b;
-    hmem[bl] = lo.x;
-    hmem[bl + 1u] = lo.y;
-    hmem[bl + 2u] = lo.z;
-    hmem[bl + 3u] = lo.w;
+    let w = r * SW + c / 2u;
+    let o = (c % 2u) * 2u;
+    wmem[w][o] = bitcast<u32>(hi.xy);
+    wmem[w][o + 1u] = bitcast<u32>(hi.zw);
+    wmem[w + PW][o] = bitcast<u32>(lo.xy);
+    wmem[w + PW][o + 1u] = bitcast<u32>(lo.zw);
 }
 
 fn set_flag(par: u32) {
@@ -311,6 +324,10 @@ fn set_flag(par: u32) {
         flag1 = 1u;
     }
 }
+
+alias Left = subgroup_matrix_left<f16, 16, 16>;
+alias Right = subgroup_matrix_right<f16, 16, 16>;
+alias Result = subgroup_matrix_result<f32, 16, 16>;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
@@ -439,6 +456,104 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (LQ > 5u) { q_split(tid + 5u * WG, q5); }
     if (LQ > 6u) { q_split(tid + 6u * WG, q6); }
     if (LQ > 7u) { q_split(tid + 7u * WG, q7); }
+    workgroupBarrier();
+    // the subgroup's row block of split queries, held in registers for every K tile
+    var qh0: Left;
+    var ql0: Left;
+    if (D / 16u > 0u) {
+        qh0 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 0u, SW);
+        ql0 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 0u, SW);
+    }
+    var qh1: Left;
+    var ql1: Left;
+    if (D / 16u > 1u) {
+        qh1 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 2u, SW);
+        ql1 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 2u, SW);
+    }
+    var qh2: Left;
+    var ql2: Left;
+    if (D / 16u > 2u) {
+        qh2 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 4u, SW);
+        ql2 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 4u, SW);
+    }
+    var qh3: Left;
+    var ql3: Left;
+    if (D / 16u > 3u) {
+        qh3 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 6u, SW);
+        ql3 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 6u, SW);
+    }
+    var qh4: Left;
+    var ql4: Left;
+    if (D / 16u > 4u) {
+        qh4 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 8u, SW);
+        ql4 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 8u, SW);
+    }
+    var qh5: Left;
+    var ql5: Left;
+    if (D / 16u > 5u) {
+        qh5 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 10u, SW);
+        ql5 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 10u, SW);
+    }
+    var qh6: Left;
+    var ql6: Left;
+    if (D / 16u > 6u) {
+        qh6 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 12u, SW);
+        ql6 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 12u, SW);
+    }
+    var qh7: Left;
+    var ql7: Left;
+    if (D / 16u > 7u) {
+        qh7 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 14u, SW);
+        ql7 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 14u, SW);
+    }
+    var qh8: Left;
+    var ql8: Left;
+    if (D / 16u > 8u) {
+        qh8 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 16u, SW);
+        ql8 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 16u, SW);
+    }
+    var qh9: Left;
+    var ql9: Left;
+    if (D / 16u > 9u) {
+        qh9 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 18u, SW);
+        ql9 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 18u, SW);
+    }
+    var qh10: Left;
+    var ql10: Left;
+    if (D / 16u > 10u) {
+        qh10 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 20u, SW);
+        ql10 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 20u, SW);
+    }
+    var qh11: Left;
+    var ql11: Left;
+    if (D / 16u > 11u) {
+        qh11 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 22u, SW);
+        ql11 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 22u, SW);
+    }
+    var qh12: Left;
+    var ql12: Left;
+    if (D / 16u > 12u) {
+        qh12 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 24u, SW);
+        ql12 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 24u, SW);
+    }
+    var qh13: Left;
+    var ql13: Left;
+    if (D / 16u > 13u) {
+        qh13 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 26u, SW);
+        ql13 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 26u, SW);
+    }
+    var qh14: Left;
+    var ql14: Left;
+    if (D / 16u > 14u) {
+        qh14 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 28u, SW);
+        ql14 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 28u, SW);
+    }
+    var qh15: Left;
+    var ql15: Left;
+    if (D / 16u > 15u) {
+        qh15 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 30u, SW);
+        ql15 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 30u, SW);
+    }
 
     // 1. Scores of the block, a K tile at a time.
     var par = 0u;
@@ -485,15 +600,87 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     break;  // (subgroup-uniform: more subgroups than score tiles)
                 }
                 var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)
-                for (var j = 0u; j < D / 16u; j++) {
-                    let d0 = 16u * j;
-                    let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, col_major>(&hmem, KVO + kt * 16u * HS + d0, HS);
-                    let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * HS + d0, HS);
-                    let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * QA + rb * 16u * HS + d0, HS);
-                    acc = subgroupMatrixMultiplyAccumulate(ah, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(al, b, acc);
+                if (D / 16u > 0u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 0u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh0, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql0, b, acc);
                 }
-                subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + k0 + kt * 16u, acc, SB);
+                if (D / 16u > 1u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 2u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh1, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql1, b, acc);
+                }
+                if (D / 16u > 2u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 4u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh2, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql2, b, acc);
+                }
+                if (D / 16u > 3u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 6u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh3, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql3, b, acc);
+                }
+                if (D / 16u > 4u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 8u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh4, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql4, b, acc);
+                }
+                if (D / 16u > 5u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 10u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh5, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql5, b, acc);
+                }
+                if (D / 16u > 6u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 12u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh6, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql6, b, acc);
+                }
+                if (D / 16u > 7u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 14u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh7, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql7, b, acc);
+                }
+                if (D / 16u > 8u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 16u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh8, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql8, b, acc);
+                }
+                if (D / 16u > 9u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 18u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh9, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql9, b, acc);
+                }
+                if (D / 16u > 10u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 20u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh10, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql10, b, acc);
+                }
+                if (D / 16u > 11u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 22u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh11, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql11, b, acc);
+                }
+                if (D / 16u > 12u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 24u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh12, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql12, b, acc);
+                }
+                if (D / 16u > 13u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 26u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh13, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql13, b, acc);
+                }
+                if (D / 16u > 14u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 28u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh14, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql14, b, acc);
+                }
+                if (D / 16u > 15u) {
+                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 30u, HW);
+                    acc = subgroupMatrixMultiplyAccumulate(qh15, b, acc);
+                    acc = subgroupMatrixMultiplyAccumulate(ql15, b, acc);
+                }
+                subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + k0 + kt * 16u) / 4u, acc, SW);
             }
         } else {
             // f32 FMAs from the f32 query, as psa_partials.wgsl (non-finite q or K)
@@ -508,15 +695,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 if (r < n_rows && k0 + k < max_len) {
                     for (var c = 0u; c < QV; c++) {
                         let qv = q[row_q[r] + c];
-                        let kb = k * HS + 4u * c;
-                        s += qv.x * f32(hmem[KVO + kb]);
-                        s += qv.y * f32(hmem[KVO + kb + 1u]);
-                        s += qv.z * f32(hmem[KVO + kb + 2u]);
-                        s += qv.w * f32(hmem[KVO + kb + 3u]);
+                        let kb = k * HW * 8u + 4u * c;
+                        s += qv.x * f32(kvh(kb));
+                        s += qv.y * f32(kvh(kb + 1u));
+                        s += qv.z * f32(kvh(kb + 2u));
+                        s += qv.w * f32(kvh(kb + 3u));
                     }
                     s *= params.scale;
                 }
-                sbuf[r * SB + k0 + k] = s;
+                s_set(r, k0 + k, s);
             }
         }
         workgroupBarrier();
@@ -527,70 +714,103 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     break;
                 }
                 let r = x / TK;
-                let i = r * SB + k0 + x - r * TK;
-                sbuf[i] = (sbuf[i] * row_down[r]) * params.scale;
+                let k = k0 + x - r * TK;
+                s_set(r, k, (s_get(r, k) * row_down[r]) * params.scale);
             }
         }
         par = 1u - par;
     }
     workgroupBarrier();
 
-    // 2. Softmax of the block, SL invocations per row (a strided share of the keys each).
+    // 2. Softmax of the block, SL invocations per row, each NK consecutive positions: the scores
+    //    read into registers, a barrier (every row's scores read), then the split weights and
+    //    the codes written over the row's scores.
     let sr = tid / SL;
     let sl = tid - sr * SL;
+    let kb0 = sl * NK;
     var kend = 0u;
     if (sr < n_rows) {
         kend = min(row_len[sr], max_len);
     }
+    var sv: array<vec4<f32>, 8>;  // (NKL <= 8)
     var lmax = 0.0;
     var seen = false;
-    let nks = (kend + SL - 1u - sl) / SL;  // keys k = sl, sl + SL, ... below kend
-    for (var j = 0u; j < nks; j++) {
-        let k = sl + j * SL;
-        if (key_src[k] != INVALID) {
-            let s = sbuf[sr * SB + k];
-            if (!is_ninf(s)) {
-                lmax = select(s, nan_max(lmax, s), seen);
-                seen = true;
+    for (var j = 0u; j < NKL; j++) {
+        var v = vec4<f32>(0.0);
+        if (sr < RMAX) {
+            v = bitcast<vec4<f32>>(wmem[sr * SW + (kb0 + 4u * j) / 4u]);
+        }
+        sv[j] = v;
+        for (var c = 0u; c < 4u; c++) {
+            let k = kb0 + 4u * j + c;
+            if (k < kend && key_src[k] != INVALID) {
+                let s = v[c];
+                if (!is_ninf(s)) {
+                    lmax = select(s, nan_max(lmax, s), seen);
+                    seen = true;
+                }
             }
         }
     }
-    // the row's SL invocations are consecutive lanes of one subgroup: a butterfly over them
     var m_new = lmax;
     var found = seen;
-    for (var j = 0u; j < 5u; j++) {  // lane distances SL / 2, SL / 4, ..., 1 (SL <= 32)
+    for (var j = 0u; j < 5u; j++) {
         let o = (SL / 2u) >> j;
         if (o == 0u) {
-            break;  // (uniform: o depends on constants only)
+            break;
         }
         let mo = subgroupShuffleXor(m_new, o);
         let fo = subgroupShuffleXor(select(0u, 1u, found), o) != 0u;
         m_new = select(select(m_new, mo, fo), nan_max(m_new, mo), found && fo);
         found = found || fo;
     }
+    workgroupBarrier();  // every row's scores are in registers: the weights may overwrite them
     var psum = 0.0;
-    if (sr < RMAX) {
-        // every position of the V tiles gets its weight (0 past max_len: V is 0 there)
-        let nkm = (nkt * TK + SL - 1u - sl) / SL;
-        for (var j = 0u; j < nkm; j++) {
-            let k = sl + j * SL;
-            var p = 0.0;
-            if (k < kend && key_src[k] != INVALID) {
-                let sc = sbuf[sr * SB + k];
-                p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
+    var enters = 0u;  // bit k - kb0: position k's weight enters (attended, not removed)
+    var zero = 0u;    // bit k - kb0: its weight is 0 (exp underflowed)
+    for (var jw = 0u; jw < NKL / 2u; jw++) {  // a word of weights: 8 positions
+        let j = 2u * jw;
+        var hw = vec4<u32>(0u);
+        var lw = vec4<u32>(0u);
+        for (var t = 0u; t < 2u; t++) {
+            var ph = vec4<f32>(0.0);
+            var pl = vec4<f32>(0.0);
+            for (var c = 0u; c < 4u; c++) {
+                let k = kb0 + 4u * (j + t) + c;
+                var p = 0.0;
+                if (k < kend && key_src[k] != INVALID) {
+                    let sc = sv[j + t][c];
+                    p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
+                }
+                if (!is_removed(p)) {
+                    psum += p;  // (a NaN p stays in the sum)
+                }
+                if (k < kend && key_src[k] != INVALID && !is_removed(p)) {
+                    enters |= 1u << (k - kb0);
+                    if (p == 0.0) {
+                        zero |= 1u << (k - kb0);
+                    }
+                }
+                // the weight as the split P hi + P lo of step 3: a removed weight and a NaN row's
+                // (its o is made NaN at the end) enter the product as 0
+                var pm = p;
+                if (is_nan(p) || is_removed(p)) {
+                    pm = 0.0;
+                }
+                let h = hi11(vec4<f32>(pm, 0.0, 0.0, 0.0)).x;
+                ph[c] = h;
+                pl[c] = pm - h;
             }
-            if (!is_removed(p)) {
-                psum += p;  // (a NaN p stays in the sum)
-            }
-            // the weight as the split P hi + P lo of step 3: a removed weight and a NaN row's
-            // (its o is made NaN at the end) enter the product as 0
-            var pm = p;
-            if (is_nan(p) || is_removed(p)) {
-                pm = 0.0;
-            }
-            let h = hi11(vec4<f32>(pm, 0.0, 0.0, 0.0)).x;
-            hmem[sr * PB + k] = f16(h);
-            hmem[RMAX * QA + sr * PB + k] = f16(pm - h);
+            let h16 = vec4<f16>(ph);
+            let l16 = vec4<f16>(pl);
+            hw[2u * t] = bitcast<u32>(h16.xy);
+            hw[2u * t + 1u] = bitcast<u32>(h16.zw);
+            lw[2u * t] = bitcast<u32>(l16.xy);
+            lw[2u * t + 1u] = bitcast<u32>(l16.zw);
+        }
+        if (sr < RMAX) {
+            wmem[sr * SW + (kb0 + 4u * j) / 8u] = hw;
+            wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;
         }
     }
     for (var j = 0u; j < 5u; j++) {
@@ -599,6 +819,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             break;
         }
         psum += subgroupShuffleXor(psum, o);
+    }
+    // the codes: each invocation's u32 (component sl % 4 of word sl / 4 after P hi / P lo)
+    if (sr < RMAX) {
+        let cw = max(D, BK) / 8u + sl / 4u;
+        wmem[sr * SW + cw][sl % 4u] = enters;
+        wmem[sr * SW + PW + cw][sl % 4u] = zero;
     }
     if (sr < n_rows && sl == 0u && found) {
         row_m[sr] = m_new;
@@ -664,11 +890,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         }
                         for (var r = 0u; r < n_rows; r++) {  // rolled: a rare path (as above)
                             if (k0 + k < min(row_len[r], max_len)) {
-                                let sc = sbuf[r * SB + k0 + k];
-                                if (!is_ninf(sc)) {  // (not removed: the weight of step 2, again)
-                                    let p = exp(sc - row_m[r]);
+                                let kk = k0 + k;
+                                let lane = kk / NK;  // (step 2's codes: the u32 of the lane that wrote them)
+                                let cw = r * SW + max(D, BK) / 8u + lane / 4u;
+                                let bit = 1u << (kk - lane * NK);
+                                if ((wmem[cw][lane % 4u] & bit) != 0u) {
+                                    let z = (wmem[cw + PW][lane % 4u] & bit) != 0u;
                                     // 0 * inf = NaN (a weight that underflowed)
-                                    let c = select(cls, 3u, p == 0.0);
+                                    let c = select(cls, 3u, z);
                                     atomicOr(&poison[r * NPW + d / 16u], c << (2u * (d % 16u)));
                                     poisoned = 1u;
                                 }
@@ -680,45 +909,45 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         for (var j = 0u; j < TK / 16u; j++) {
             let kk = 16u * j;
-            let ah = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, rb * 16u * PB + k0 + kk, PB);
-            let al = subgroupMatrixLoad<subgroup_matrix_left<f16, 16, 16>, row_major>(&hmem, RMAX * QA + rb * 16u * PB + k0 + kk, PB);
+            let ah = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + (k0 + kk) / 8u, SW);
+            let al = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + (k0 + kk) / 8u, SW);
             if (NDT > 0u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 0u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 0u) * 2u, HW);
                 acc0 = subgroupMatrixMultiplyAccumulate(ah, b, acc0);
                 acc0 = subgroupMatrixMultiplyAccumulate(al, b, acc0);
             }
             if (NDT > 1u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 1u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 1u) * 2u, HW);
                 acc1 = subgroupMatrixMultiplyAccumulate(ah, b, acc1);
                 acc1 = subgroupMatrixMultiplyAccumulate(al, b, acc1);
             }
             if (NDT > 2u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 2u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 2u) * 2u, HW);
                 acc2 = subgroupMatrixMultiplyAccumulate(ah, b, acc2);
                 acc2 = subgroupMatrixMultiplyAccumulate(al, b, acc2);
             }
             if (NDT > 3u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 3u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 3u) * 2u, HW);
                 acc3 = subgroupMatrixMultiplyAccumulate(ah, b, acc3);
                 acc3 = subgroupMatrixMultiplyAccumulate(al, b, acc3);
             }
             if (NDT > 4u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 4u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 4u) * 2u, HW);
                 acc4 = subgroupMatrixMultiplyAccumulate(ah, b, acc4);
                 acc4 = subgroupMatrixMultiplyAccumulate(al, b, acc4);
             }
             if (NDT > 5u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 5u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 5u) * 2u, HW);
                 acc5 = subgroupMatrixMultiplyAccumulate(ah, b, acc5);
                 acc5 = subgroupMatrixMultiplyAccumulate(al, b, acc5);
             }
             if (NDT > 6u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 6u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 6u) * 2u, HW);
                 acc6 = subgroupMatrixMultiplyAccumulate(ah, b, acc6);
                 acc6 = subgroupMatrixMultiplyAccumulate(al, b, acc6);
             }
             if (NDT > 7u) {
-                let b = subgroupMatrixLoad<subgroup_matrix_right<f16, 16, 16>, row_major>(&hmem, KVO + kk * HS + (cb + CS * 7u) * 16u, HS);
+                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 7u) * 2u, HW);
                 acc7 = subgroupMatrixMultiplyAccumulate(ah, b, acc7);
                 acc7 = subgroupMatrixMultiplyAccumulate(al, b, acc7);
             }
@@ -727,30 +956,30 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         par = 1u - par;
     }
 
-    // 4. o through workgroup memory (rows past n_rows belong to no partial row).
+    // 4. o through the words (rows past n_rows belong to no partial row).
     if (NDT > 0u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 0u) * 16u, acc0, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 0u) * 16u) / 4u, acc0, SW);
     }
     if (NDT > 1u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 1u) * 16u, acc1, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 1u) * 16u) / 4u, acc1, SW);
     }
     if (NDT > 2u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 2u) * 16u, acc2, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 2u) * 16u) / 4u, acc2, SW);
     }
     if (NDT > 3u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 3u) * 16u, acc3, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 3u) * 16u) / 4u, acc3, SW);
     }
     if (NDT > 4u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 4u) * 16u, acc4, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 4u) * 16u) / 4u, acc4, SW);
     }
     if (NDT > 5u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 5u) * 16u, acc5, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 5u) * 16u) / 4u, acc5, SW);
     }
     if (NDT > 6u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 6u) * 16u, acc6, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 6u) * 16u) / 4u, acc6, SW);
     }
     if (NDT > 7u) {
-        subgroupMatrixStore<row_major>(&sbuf, rb * 16u * SB + (cb + CS * 7u) * 16u, acc7, SB);
+        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 7u) * 16u) / 4u, acc7, SW);
     }
     workgroupBarrier();
     let any_poison = poisoned != 0u;
@@ -761,7 +990,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         let r = x / D;
         let d = x - r * D;
-        var o = sbuf[r * SB + d];
+        var o = s_get(r, d);
         if (any_poison) {
             let c = (atomicLoad(&poison[r * NPW + d / 16u]) >> (2u * (d % 16u))) & 3u;
             if (c == 3u) {

@@ -40,31 +40,41 @@ def _why(ctx=None, *, D=128, itemsize=2, block_size=128, rows=32):
 
 def test_msa_prefill_geometry_fills_the_workgroup_memory():
     ctx = _ctx()
-    assert _why(ctx) is None
-    g = _sgmat.choose_sgmat_geometry(ctx, D=128, S=64, G=8, block_size=128, rows_needed=32, kv_itemsize=2)
-    assert (g.RMAX, g.TK, g.BK, g.WG) == (32, 32, 128, 256)
+    assert _why(ctx, rows=2048) is None
+    g = _sgmat.choose_sgmat_geometry(ctx, D=128, S=64, G=8, block_size=128, rows_needed=2048, kv_itemsize=2)
+    assert (g.RMAX, g.TK, g.BK, g.WG) == (64, 32, 128, 256)
     assert g.kernel == "psa_partials_sgmat.wgsl" and g.kernel_name == g.kernel
-    assert g.edges_per_item == 4 and g.heads_per_item == 8  # 4 queries x 8 heads share a K/V tile
-    assert g.constants() == {"D": 128, "S": 64, "TK": 32, "BK": 128, "RMAX": 32, "WG": 256}
-    assert g.workgroup_bytes <= 49152
-    # (what Dawn reports for these constants: 45376 bytes)
-    assert g.workgroup_bytes == 45376
+    assert g.edges_per_item == 8 and g.heads_per_item == 8  # 8 queries x 8 heads share a K/V tile
+    assert g.constants() == {"D": 128, "S": 64, "TK": 32, "BK": 128, "RMAX": 64, "WG": 256}
+    # the largest geometry is what the word array holds, within 48 KiB (what Dawn reports for
+    # these constants: 48704 bytes)
+    assert _sgmat.sgmat_words(128, 64, 32, 128, 256) == _sgmat.WCAP
+    assert g.workgroup_bytes == 48704 <= 49152
+    # an item that can hold 32 rows gets 32
+    g32 = _sgmat.choose_sgmat_geometry(ctx, D=128, S=64, G=8, block_size=128, rows_needed=32, kv_itemsize=2)
+    assert (g32.RMAX, g32.TK, g32.BK, g32.WG) == (32, 32, 128, 256) and g32.edges_per_item == 4
 
 
 @pytest.mark.parametrize("D, block_size, rows", [(16, 32, 240), (64, 64, 8), (128, 256, 32), (256, 64, 32),
-                                                 (128, 128, 8), (32, 64, 64)])
+                                                 (128, 128, 8), (32, 64, 64), (128, 128, 2048), (128, 200, 64),
+                                                 (64, 8, 64), (16, 4, 8)])
 def test_every_chosen_geometry_keeps_the_kernels_rules(D, block_size, rows):
     ctx = _ctx()
     assert _why(ctx, D=D, block_size=block_size, rows=rows) is None
     g = _sgmat.choose_sgmat_geometry(ctx, D=D, S=16, G=8, block_size=block_size, rows_needed=rows, kv_itemsize=2)
-    HS, PB, SB = D + 8, g.BK + 8, max(g.BK, D) + 4
     nsg, nrb = g.WG // 32, g.RMAX // 16
     assert g.RMAX % 16 == 0 and g.TK % 16 == 0 and g.TK <= D and g.BK % g.TK == 0 and g.BK >= block_size
     assert nsg % nrb == 0 and (D // 16) % (nsg // nrb) == 0 and (D // 16) // (nsg // nrb) <= _sgmat.MAXDT
-    # the split queries, then the block's split weights, in one area; the K/V tile after it
-    assert 2 * g.RMAX * max(HS, PB) + g.TK * HS <= _sgmat.HCAP and g.RMAX * SB <= _sgmat.SCAP
     sl = g.WG // g.RMAX  # a row's softmax lanes: consecutive lanes of one subgroup (one butterfly)
     assert sl >= 1 and sl & (sl - 1) == 0 and sl <= 32
+    # each row's words (its split query, scores, split weights and a u32 of codes per lane, o),
+    # then the K/V tile
+    pw = max(D, g.BK) // 8 + -(-sl // 4)
+    assert g.RMAX * (2 * pw + 1) + g.TK * (D // 8 + 1) <= _sgmat.WCAP
+    # each lane's positions: whole words of weights, their scores in registers, a bit each in
+    # the lane's u32
+    nk = g.BK // sl
+    assert g.BK % sl == 0 and nk % 8 == 0 and nk <= _sgmat.MAX_NK <= 32
     assert -(-g.TK * D // 8 // g.WG) <= _sgmat.MAXLD and -(-g.RMAX * D // 4 // g.WG) <= _sgmat.MAXLD
     assert g.workgroup_bytes <= ctx.workgroup_storage and g.WG <= ctx.max_invocations
 
@@ -85,10 +95,11 @@ def test_when_the_kernel_does_not_apply_the_host_says_why(ctx, kw, why):
 
 def test_shader_capacities_match_the_host():
     src = SHADER.read_text()
-    for name in ("HCAP", "SCAP"):
-        m = re.search(rf"const {name}: u32 = (\d+)u;", src)
-        assert m and int(m.group(1)) == getattr(_sgmat, name), name
+    m = re.search(r"const WCAP: u32 = (\d+)u;", src)
+    assert m and int(m.group(1)) == _sgmat.WCAP
     assert "acc7" in src and "acc8" not in src and _sgmat.MAXDT == 8  # eight named accumulators
+    # sixteen pairs of named query matrices: head dims up to 256
+    assert "qh15" in src and "qh16" not in src and _sgmat.MAX_HEAD_DIM == 256
     assert not re.search(r"^\s*enable ", src, re.MULTILINE)  # the loader prepends the enables
     row = KERNEL_TABLE["psa_partials_sgmat.wgsl"]
     assert row.sgmat and row.bindings == KERNEL_TABLE["psa_partials.wgsl"].bindings
@@ -107,7 +118,8 @@ def test_a_device_without_subgroup_matrices_refuses_the_kernel_and_auto_runs_the
     assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
 
 
-@pytest.mark.parametrize("D, block_size, rows", [(128, 128, 32), (64, 64, 8), (256, 64, 32), (16, 32, 240)])
+@pytest.mark.parametrize("D, block_size, rows", [(128, 128, 32), (64, 64, 8), (256, 64, 32), (16, 32, 240),
+                                                 (128, 128, 2048), (128, 200, 64), (16, 4, 8)])
 def test_pipelines_with_the_hosts_constants_pass_tint_up_to_the_workgroup_memory_it_counts(D, block_size, rows,
                                                                                           tint_device):
     """Under Tint (Dawn's Null adapter, no GPU) the kernel with the constants the host picks is
@@ -127,3 +139,37 @@ def test_pipelines_with_the_hosts_constants_pass_tint_up_to_the_workgroup_memory
 def test_batch_invariance_cannot_be_combined_with_the_sgmat_kernel(WgpuBackend):
     with pytest.raises(ValueError, match="batch_invariant=True runs the generic partials kernel.*'sgmat'"):
         WgpuBackend(required_limits="default", partials_kernel="sgmat", batch_invariant=True)
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+@pytest.mark.parametrize("seed, D, page_size, ppb, G, seqlens", [
+    (11, 128, 8, 25, 8, (40, 3)),   # blocks of 200 positions: BK rounded up to 256, items of 32 rows
+    (12, 16, 2, 2, 8, (30,)),       # D = 16, blocks of 4: items of 64 rows, one 16-position tile
+    (13, 64, 16, 4, 8, (50, 20)),   # items of 64 rows, blocks of 64
+    (14, 256, 16, 4, 4, (24, 9)),   # D = 256: sixteen pairs of query matrices
+])
+def test_the_sgmat_kernel_on_its_geometries_matches_the_reference_and_the_fma_kernels_special_values(
+        backend, seed, D, page_size, ppb, G, seqlens):
+    """On a device with subgroup matrices, the tensor-core partials (``partials_kernel="sgmat"``)
+    on geometries the host picks for odd blocks, head dims 16 to 256 and items of 64 rows: within
+    R20 of the float64 reference, with the NaN / +-Inf of the problem's poisoned cache positions
+    exactly where the FMA kernel puts them."""
+    if (16, 16, 16) not in backend.device_context.sgmat:
+        pytest.skip(f"backend {backend.name!r}: the device has no 16x16x16 float16 subgroup matrices")
+    pb = random_problem(seed, seqlens_q=seqlens, Hkv=2, G=G, D=D, page_size=page_size, ppb=ppb, msb=3,
+                        causal=True, dtype=np.float16, q_dtype=np.float32)
+    runs = {}
+    for kernel in ("sgmat", "generic"):
+        be = type(backend)(partials_kernel=kernel)
+        try:
+            runs[kernel] = psa.forward(*pb.args, **pb.options, backend=be, return_lse=True)
+            assert be.last_timings["kernel"] == ("psa_partials_sgmat.wgsl" if kernel == "sgmat" else "psa_partials.wgsl")
+        finally:
+            be.close()
+    out, lse = runs["sgmat"]
+    ref, ref_lse = psa.dense_reference(*pb.args, **pb.options)
+    assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
+    fma_out, fma_lse = runs["generic"]
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(fma_out))
+    np.testing.assert_array_equal(np.isposinf(out), np.isposinf(fma_out))
+    np.testing.assert_array_equal(np.isneginf(out), np.isneginf(fma_out))

@@ -10,22 +10,24 @@ a geometry fits the workgroup memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ._plan import Geometry
 
-__all__ = ["SGMAT", "SgmatGeometry", "choose_sgmat_geometry", "sgmat_ineligible", "sgmat_workgroup_bytes"]
+__all__ = ["SGMAT", "SgmatGeometry", "choose_sgmat_geometry", "sgmat_ineligible", "sgmat_words",
+           "sgmat_workgroup_bytes"]
 
 SGMAT = "psa_partials_sgmat.wgsl"
 SGMAT_CONFIG = (16, 16, 16)  # (M, N, K) of the float16 -> float32 matrices the kernel uses
 SUBGROUP = 32                # the kernel's subgroups: 32 consecutive invocations
-# the constant capacities of the kernel's matrix arrays (HCAP float16, SCAP float32): keep equal
-# to the shader's `const HCAP` / `const SCAP`
-HCAP = 13056
-SCAP = 4224
+# the constant capacity of the kernel's array of 16-byte words: keep equal to the shader's
+# `const WCAP`
+WCAP = 2784
 MAXDT = 8                    # accumulators per subgroup (the shader's eight named ones)
 MAXLD = 8                    # K/V and query units an invocation holds in registers (the shader's LD, LQ)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256           # (the shader's 16 pairs of named query matrices)
+MAX_NK = 32                  # scores a softmax invocation holds in registers (the shader's NK)
 NSG_CHOICES = (8, 4, 2, 1)   # subgroups per workgroup, the first that fits
 
 
@@ -52,13 +54,19 @@ def sgmat_workgroup_bytes(D: int, RMAX: int, BK: int) -> int:
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    return (a(2 * HCAP) + a(4 * SCAP) + a(4 * BK) + 6 * a(4 * RMAX)
-            + a(4 * RMAX * (D // 16)) + 4 * 16)
+    return 16 * WCAP + a(4 * BK) + 6 * a(4 * RMAX) + a(4 * RMAX * (D // 16)) + 4 * 16
+
+
+def sgmat_words(D: int, R: int, TK: int, BK: int, WG: int) -> int:
+    """Words (16 bytes) of the kernel's array a geometry uses: R rows of SW words (the split
+    query, scores, split weights and their codes: a u32 per softmax invocation), then the K/V
+    tile's TK rows of HW words (the shader's header)."""
+    pw = max(D, BK) // 8 + -(-(WG // R) // 4)
+    return R * (2 * pw + 1) + TK * (D // 8 + 1)
 
 
 def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
-    """The kernel's divisibility rules and constant capacities (see its header)."""
-    HS, PB, SB = D + 8, BK + 8, max(BK, D) + 4
+    """The kernel's divisibility rules and constant capacity (see its header)."""
     nrb = R // 16
     if TK > D or BK % TK or nsg % nrb:
         return False
@@ -69,9 +77,12 @@ def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
     if -(-TK * D // 8 // wg) > MAXLD or -(-R * D // 4 // wg) > MAXLD:  # K/V and query units in registers
         return False
     sl = wg // R  # softmax lanes per row: one butterfly within a subgroup
-    if sl & (sl - 1) or sl > SUBGROUP:
+    if sl < 1 or sl & (sl - 1) or sl > SUBGROUP:
         return False
-    return 2 * R * max(HS, PB) + TK * HS <= HCAP and R * SB <= SCAP
+    nk = BK // sl  # positions per softmax lane: whole words of weights, in registers
+    if BK % sl or nk % 8 or nk > MAX_NK:
+        return False
+    return sgmat_words(D, R, TK, BK, wg) <= WCAP
 
 
 def sgmat_ineligible(ctx, *, D: int, kv_itemsize: int, block_size: int, rows_needed: int) -> str | None:
@@ -94,17 +105,22 @@ def sgmat_ineligible(ctx, *, D: int, kv_itemsize: int, block_size: int, rows_nee
 def _candidates(ctx, D: int, block_size: int, rows_needed: int):
     """(RMAX, TK, BK, WG) of the first geometry that fits, or None.
 
-    Rows: 32 when a work item can hold more than 16 (prefill: 4 queries x 8 heads share each K/V
-    tile), else 16. TK = 32 keys per tile where it fits (half the barriers of 16). Subgroups: as
-    many as the tiles divide among (4 for RMAX = 32: every subgroup one score tile per K tile and
-    a quarter of o).
+    Rows: 64 when a work item can hold more than 32 (prefill: 8 queries x 8 heads share each K/V
+    tile), 32 when it can hold more than 16, else 16, and fewer where the larger does not fit.
+    TK = 32 keys per tile where it fits (half the barriers of 16). BK = the block rounded up to
+    whole K tiles and to 8 positions per softmax lane. Subgroups: as many as the
+    tiles divide among (8 for RMAX = 64: every subgroup one score tile per K tile and an eighth
+    of o).
     """
-    rows = 32 if rows_needed > 16 else 16
-    for R in (rows, 16) if rows == 32 else (16,):
+    rows = 64 if rows_needed > 32 else 32 if rows_needed > 16 else 16
+    for R in (r for r in (64, 32, 16) if r <= rows):
         for TK in (32, 16):
-            BK = -(-block_size // TK) * TK
             for nsg in NSG_CHOICES:
                 WG = SUBGROUP * nsg
+                # BK: the block rounded up to whole K tiles and whole words of weights per
+                # softmax lane (positions past the block are zeros)
+                step = math.lcm(TK, 8 * max(1, WG // R))
+                BK = -(-block_size // step) * step
                 if WG > ctx.max_invocations or not _fits(D, R, TK, BK, nsg):
                     continue
                 if sgmat_workgroup_bytes(D, R, BK) <= ctx.workgroup_storage:
