@@ -56,7 +56,7 @@
 //      scores, split like Q (hi = hi11(p), lo = f16(p - hi); 0 for a removed weight or a NaN
 //      row), with two bits per position for step 3's rare path: "its weight enters" (attended
 //      and not removed; in the CW words after P hi) and "its weight is 0" (exp underflowed; after
-//      P lo), a u32 of each per invocation. One block is one tile of the online softmax (R14): o is never rescaled, so it
+//      P lo). One block is one tile of the online softmax (R14): o is never rescaled, so it
 //      stays in registers.
 //   3. o = P V, a V tile of TK keys at a time, as two products (P hi V + P lo V). Accumulators
 //      stay in subgroup-matrix registers for the whole item; each subgroup owns one 16-row
@@ -91,7 +91,7 @@
 //   WG    workgroup size: 32 * NSG subgroups; NSG a multiple of RMAX / 16 and the column blocks
 //         of o (D / 16) divisible by NSG / (RMAX / 16), at most 8 per subgroup (NDT); the
 //         score tiles of a K tile are dealt out to the subgroups (some idle when there are fewer);
-//         NK = BK / (WG / RMAX) a multiple of 8 up to 32
+//         NK = BK / (WG / RMAX) 8, 16 or 32
 //   LD, LQ (derived) K/V and query units an invocation holds in registers: at most 8 each
 // Workgroup memory (bytes, each variable rounded to 16): 16 * WCAP + 4 * BK + 6 * 4 * RMAX
 //   + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes: 48704 for D = 128, RMAX = 64
@@ -114,7 +114,7 @@ override WG: u32 = 128u;
 override TD: u32 = D / 4u;                 // vec4<f16> per cache row (the Params' slab units)
 override D8: u32 = D / 8u;                 // vec4<u32> (8 halves) per cache row
 override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row (a power of two, <= 32: one butterfly)
-override CW: u32 = (SL + 3u) / 4u;         // words of one code (a u32 per softmax invocation)
+override CW: u32 = (BK + 127u) / 128u;     // words of one code (a bit per position)
 override PW: u32 = max(D, BK) / 8u + CW;   // words of a row's hi (or lo) half: data, then a code
 override SW: u32 = 2u * PW + 1u;           // words per row (odd)
 override SBF: u32 = 4u * SW;               // floats per row (scores, o)
@@ -125,8 +125,9 @@ override NRB: u32 = RMAX / 16u;            // 16-row blocks
 override CS: u32 = NSG / NRB;              // subgroups per row block
 override NDT: u32 = D / 16u / CS;          // 16-column blocks of o per subgroup
 override NST: u32 = (NRB * (TK / 16u) + NSG - 1u) / NSG;  // 16x16 score tiles per subgroup and K tile
-override NK: u32 = BK / SL;                // positions per softmax invocation (a multiple of 8, <= 32)
+override NK: u32 = BK / SL;                // positions per softmax invocation (8, 16 or 32)
 override NKL: u32 = NK / 4u;               // their vec4 of scores (<= 8, in registers)
+override CG: u32 = min(32u / NK, SL);      // softmax invocations of a row whose codes share a u32
 override NPW: u32 = D / 16u;               // poison words per row (2 bits per column)
 override QV: u32 = D / 4u;                 // vec4 per query row
 override LD: u32 = (TK * D8 + WG - 1u) / WG;  // K/V units per invocation and tile (<= 8)
@@ -766,8 +767,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();  // every row's scores are in registers: the weights may overwrite them
     var psum = 0.0;
-    var enters = 0u;  // bit k - kb0: position k's weight enters (attended, not removed)
-    var zero = 0u;    // bit k - kb0: its weight is 0 (exp underflowed)
+    var enters = 0u;  // bit k % 32: position k's weight enters (attended, not removed)
+    var zero = 0u;    // bit k % 32: its weight is 0 (exp underflowed)
     for (var jw = 0u; jw < NKL / 2u; jw++) {  // a word of weights: 8 positions
         let j = 2u * jw;
         var hw = vec4<u32>(0u);
@@ -786,9 +787,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     psum += p;  // (a NaN p stays in the sum)
                 }
                 if (k < kend && key_src[k] != INVALID && !is_removed(p)) {
-                    enters |= 1u << (k - kb0);
+                    enters |= 1u << (k % 32u);
                     if (p == 0.0) {
-                        zero |= 1u << (k - kb0);
+                        zero |= 1u << (k % 32u);
                     }
                 }
                 // the weight as the split P hi + P lo of step 3: a removed weight and a NaN row's
@@ -820,11 +821,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         psum += subgroupShuffleXor(psum, o);
     }
-    // the codes: each invocation's u32 (component sl % 4 of word sl / 4 after P hi / P lo)
-    if (sr < RMAX) {
-        let cw = max(D, BK) / 8u + sl / 4u;
-        wmem[sr * SW + cw][sl % 4u] = enters;
-        wmem[sr * SW + PW + cw][sl % 4u] = zero;
+    // the codes: the CG invocations whose positions share a u32 (consecutive lanes of the row)
+    // combine their bits, and the first of them writes it: component (k % 128) / 32 of word
+    // k / 128 after P hi (P lo)
+    for (var j = 0u; j < 5u; j++) {
+        let o = (CG / 2u) >> j;
+        if (o == 0u) {
+            break;  // (uniform: o depends on constants only)
+        }
+        enters |= subgroupShuffleXor(enters, o);
+        zero |= subgroupShuffleXor(zero, o);
+    }
+    if (sr < RMAX && sl % CG == 0u) {
+        let cw = max(D, BK) / 8u + kb0 / 128u;
+        wmem[sr * SW + cw][(kb0 % 128u) / 32u] = enters;
+        wmem[sr * SW + PW + cw][(kb0 % 128u) / 32u] = zero;
     }
     if (sr < n_rows && sl == 0u && found) {
         row_m[sr] = m_new;
@@ -891,11 +902,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         for (var r = 0u; r < n_rows; r++) {  // rolled: a rare path (as above)
                             if (k0 + k < min(row_len[r], max_len)) {
                                 let kk = k0 + k;
-                                let lane = kk / NK;  // (step 2's codes: the u32 of the lane that wrote them)
-                                let cw = r * SW + max(D, BK) / 8u + lane / 4u;
-                                let bit = 1u << (kk - lane * NK);
-                                if ((wmem[cw][lane % 4u] & bit) != 0u) {
-                                    let z = (wmem[cw + PW][lane % 4u] & bit) != 0u;
+                                let cw = r * SW + max(D, BK) / 8u + kk / 128u;  // (step 2's codes)
+                                let bit = 1u << (kk % 32u);
+                                if ((wmem[cw][(kk % 128u) / 32u] & bit) != 0u) {
+                                    let z = (wmem[cw + PW][(kk % 128u) / 32u] & bit) != 0u;
                                     // 0 * inf = NaN (a weight that underflowed)
                                     let c = select(cls, 3u, z);
                                     atomicOr(&poison[r * NPW + d / 16u], c << (2u * (d % 16u)));

@@ -10,7 +10,6 @@ a geometry fits the workgroup memory.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ._plan import Geometry
@@ -28,7 +27,7 @@ MAXDT = 8                    # accumulators per subgroup (the shader's eight nam
 MAXLD = 8                    # K/V and query units an invocation holds in registers (the shader's LD, LQ)
 MAX_HEAD_DIM = 256           # (the shader's 16 pairs of named query matrices)
 MAX_NK = 32                  # scores a softmax invocation holds in registers (the shader's NK)
-NSG_CHOICES = (8, 4, 2, 1)   # subgroups per workgroup, the first that fits
+NSG_CHOICES = (8, 4, 2, 1)   # subgroups per workgroup, the first that fits (16 first for 64 rows)
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,11 @@ def sgmat_workgroup_bytes(D: int, RMAX: int, BK: int) -> int:
     return 16 * WCAP + a(4 * BK) + 6 * a(4 * RMAX) + a(4 * RMAX * (D // 16)) + 4 * 16
 
 
-def sgmat_words(D: int, R: int, TK: int, BK: int, WG: int) -> int:
+def sgmat_words(D: int, R: int, TK: int, BK: int) -> int:
     """Words (16 bytes) of the kernel's array a geometry uses: R rows of SW words (the split
-    query, scores, split weights and their codes: a u32 per softmax invocation), then the K/V
-    tile's TK rows of HW words (the shader's header)."""
-    pw = max(D, BK) // 8 + -(-(WG // R) // 4)
+    query, scores, split weights and their codes: a bit per position), then the K/V tile's TK
+    rows of HW words (the shader's header)."""
+    pw = max(D, BK) // 8 + -(-BK // 128)
     return R * (2 * pw + 1) + TK * (D // 8 + 1)
 
 
@@ -79,10 +78,10 @@ def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
     sl = wg // R  # softmax lanes per row: one butterfly within a subgroup
     if sl < 1 or sl & (sl - 1) or sl > SUBGROUP:
         return False
-    nk = BK // sl  # positions per softmax lane: whole words of weights, in registers
-    if BK % sl or nk % 8 or nk > MAX_NK:
+    nk = BK // sl  # positions per softmax lane: whole words of weights, in registers, codes in a u32
+    if BK % sl or nk not in (8, 16, MAX_NK):
         return False
-    return sgmat_words(D, R, TK, BK, wg) <= WCAP
+    return sgmat_words(D, R, TK, BK) <= WCAP
 
 
 def sgmat_ineligible(ctx, *, D: int, kv_itemsize: int, block_size: int, rows_needed: int) -> str | None:
@@ -108,20 +107,21 @@ def _candidates(ctx, D: int, block_size: int, rows_needed: int):
     Rows: 64 when a work item can hold more than 32 (prefill: 8 queries x 8 heads share each K/V
     tile), 32 when it can hold more than 16, else 16, and fewer where the larger does not fit.
     TK = 32 keys per tile where it fits (half the barriers of 16). BK = the block rounded up to
-    whole K tiles and to 8 positions per softmax lane. Subgroups: as many as the
-    tiles divide among (8 for RMAX = 64: every subgroup one score tile per K tile and an eighth
-    of o).
+    8, 16 or 32 positions per softmax lane and whole K tiles. Subgroups: 16 for RMAX = 64 where
+    they fit (every subgroup one score tile per K tile, half of them idle, and a sixteenth of o:
+    more subgroups to hide each phase's waits), else as many as the tiles divide among.
     """
     rows = 64 if rows_needed > 32 else 32 if rows_needed > 16 else 16
     for R in (r for r in (64, 32, 16) if r <= rows):
         for TK in (32, 16):
-            for nsg in NSG_CHOICES:
+            for nsg in ((16,) if R == 64 else ()) + NSG_CHOICES:
                 WG = SUBGROUP * nsg
-                # BK: the block rounded up to whole K tiles and whole words of weights per
-                # softmax lane (positions past the block are zeros)
-                step = math.lcm(TK, 8 * max(1, WG // R))
-                BK = -(-block_size // step) * step
-                if WG > ctx.max_invocations or not _fits(D, R, TK, BK, nsg):
+                # BK: the block rounded up to 8, 16 or 32 positions per softmax lane and to whole
+                # K tiles (positions past the block are zeros)
+                sl = max(1, WG // R)
+                nk = max(8, -(-TK // sl), 1 << (max(1, -(-block_size // sl)) - 1).bit_length())
+                BK = sl * nk
+                if BK % TK or WG > ctx.max_invocations or not _fits(D, R, TK, BK, nsg):
                     continue
                 if sgmat_workgroup_bytes(D, R, BK) <= ctx.workgroup_storage:
                     return R, TK, BK, WG
