@@ -74,7 +74,7 @@ def test_every_chosen_geometry_keeps_the_kernels_rules(D, block_size, rows):
     # each lane's positions: whole words of weights, their scores in registers, their code bits
     # within one u32
     nk = g.BK // sl
-    assert g.BK % sl == 0 and nk in (8, 16, 32) and _sgmat.MAX_NK == 32
+    assert g.BK % sl == 0 and nk in (8, 16, 32) and _sgmat.NK_CHOICES == (8, 16, 32)
     assert -(-g.TK * D // 8 // g.WG) <= _sgmat.MAXLD and -(-g.RMAX * D // 4 // g.WG) <= _sgmat.MAXLD
     assert g.workgroup_bytes <= ctx.workgroup_storage and g.WG <= ctx.max_invocations
 

@@ -80,6 +80,7 @@ def test_R7_a_float16_index_q_gives_the_bits_of_the_float32_layer(backend, d_idx
     q = rng.standard_normal((3, Hkv * G, D)).astype(np.float32)
     iq16 = rng.standard_normal((3, Hkv, d_idx)).astype(np.float16)
     iq16.reshape(-1)[::5] = np.float16(3e-6)  # subnormal halves among them
+
     def make_plan():
         return psa.plan_attention(bt, cu, lens, block_size=4, page_size=S, num_q_heads=Hkv * G, num_kv_heads=Hkv,
                                   head_dim=D, kv_dtype="float32", topk=2, causal=True, index_dim=d_idx,

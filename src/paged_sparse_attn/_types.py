@@ -22,11 +22,11 @@ __all__ = [
 ]
 
 
-
 def _float32(x: np.ndarray) -> np.ndarray:
     """R7: a C-contiguous query array of any accepted float dtype, widened exactly to float32
     (float16 and bfloat16 values are all float32 values; a float32 array is returned as is)."""
     return x if x.dtype == np.float32 else np.ascontiguousarray(x, dtype=np.float32)
+
 
 @dataclass(frozen=True)
 class Availability:

@@ -26,7 +26,8 @@ WCAP = 2784
 MAXDT = 8                    # accumulators per subgroup (the shader's eight named ones)
 MAXLD = 8                    # K/V and query units an invocation holds in registers (the shader's LD, LQ)
 MAX_HEAD_DIM = 256           # (the shader's 16 pairs of named query matrices)
-MAX_NK = 32                  # scores a softmax invocation holds in registers (the shader's NK)
+NK_CHOICES = (8, 16, 32)     # positions per softmax invocation (the shader's NK): whole words of
+                             # weights, at most 32 scores in registers, their codes within one u32
 NSG_CHOICES = (8, 4, 2, 1)   # subgroups per workgroup, the first that fits (16 first for 64 rows)
 
 
@@ -78,8 +79,7 @@ def _fits(D: int, R: int, TK: int, BK: int, nsg: int) -> bool:
     sl = wg // R  # softmax lanes per row: one butterfly within a subgroup
     if sl < 1 or sl & (sl - 1) or sl > SUBGROUP:
         return False
-    nk = BK // sl  # positions per softmax lane: whole words of weights, in registers, codes in a u32
-    if BK % sl or nk not in (8, 16, MAX_NK):
+    if BK % sl or BK // sl not in NK_CHOICES:
         return False
     return sgmat_words(D, R, TK, BK) <= WCAP
 
@@ -116,11 +116,11 @@ def _candidates(ctx, D: int, block_size: int, rows_needed: int):
         for TK in (32, 16):
             for nsg in ((16,) if R == 64 else ()) + NSG_CHOICES:
                 WG = SUBGROUP * nsg
-                # BK: the block rounded up to 8, 16 or 32 positions per softmax lane and to whole
-                # K tiles (positions past the block are zeros)
+                # BK: the block rounded up to one of NK_CHOICES positions per softmax lane and to
+                # whole K tiles (positions past the block are zeros; _fits rejects nk > 32)
                 sl = max(1, WG // R)
-                nk = max(8, -(-TK // sl), 1 << (max(1, -(-block_size // sl)) - 1).bit_length())
-                BK = sl * nk
+                need = max(-(-block_size // sl), -(-TK // sl))
+                BK = sl * next((c for c in NK_CHOICES if c >= need), 2 * NK_CHOICES[-1])
                 if BK % TK or WG > ctx.max_invocations or not _fits(D, R, TK, BK, nsg):
                     continue
                 if sgmat_workgroup_bytes(D, R, BK) <= ctx.workgroup_storage:
