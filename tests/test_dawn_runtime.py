@@ -85,3 +85,17 @@ def test_backend_says_whether_its_bounds_checks_are_on(monkeypatch):
     monkeypatch.setattr(_kernels, "KERNEL_TABLE", table)
     assert not _kernels.all_trusted()
     assert DawnBackend().robustness is True and DawnBackend()._device_toggles == ()
+
+
+def test_buffers_of_host_memory_are_requested_on_dawn_only(null_adapter):
+    """Dawn's ``host-mapped-pointer`` (plans' pinned inputs and results) is asked for where the
+    adapter offers it and reported under its own name; wgpu-native has no such feature and no
+    non-blocking wait (its calls block on a map)."""
+    assert DAWN.host_memory_feature in DAWN.wanted_features()
+    assert WGPU_NATIVE.host_memory_feature is None and WGPU_NATIVE.poll_work_done is None
+    assert DAWN.poll_work_done is not None
+    assert DAWN.host_memory_feature in set(map(str, null_adapter.features))
+    dev = DAWN.request_device(null_adapter, [DAWN.host_memory_feature], {})
+    assert DAWN.host_memory_feature in DAWN.logical_features(dev.features)
+    assert callable(DAWN.host_memory_module().create_buffer_from_host_memory)
+    dev.destroy()

@@ -140,6 +140,12 @@ class DeviceContext:
     sync_buffers: tuple | None = None  # (source, mappable) of the 4-byte copy a wait maps: _transfer.wait_queue
     batch: Any = None  # the open batch of planned layers, not yet submitted (_batch.py, R36)
 
+    @property
+    def host_memory(self) -> bool:
+        """Whether the device makes buffers of host memory (_host_io.py)."""
+        f = self.runtime.host_memory_feature
+        return f is not None and f in self.features
+
 
 SUBGROUP_PROBE = "psa_subgroup_size.wgsl"
 SUBGROUP_PROBE_WG = 64

@@ -45,9 +45,10 @@ from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
 from ._batch import drop, flush, open_batch
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
+from ._host_io import host_io
 from ._record import recorder
 from ._tensors import CallResult, error_message, lse_from_ml
-from ._transfer import map_read, read_ranges
+from ._transfer import map_read, read_ranges, wait_queue_spinning
 from ._webgpu import BufferUsage, QueryType
 
 __all__ = ["DeviceRuntime"]
@@ -229,6 +230,9 @@ class DeviceRuntime:
         self.out = self._buffer(self.o_bytes, st | U.COPY_SRC, "out")
         self.oml = self._buffer(self.ml_bytes, st | U.COPY_SRC, "out.ml")
         self.rb = self._buffer(self.o_bytes + self.ml_bytes + 8, U.MAP_READ | U.COPY_DST, "readback")
+        self.hio = None  # pinned inputs and results of host calls (_host_io.py): made by the first
+        self.hio_made = False
+        self.call_io = None  # the HostIO the call being encoded stages its host tensors through
         self.consts = self._buffer(5 * align, U.UNIFORM | U.COPY_DST, "consts")
 
         # uniform records
@@ -384,11 +388,24 @@ class DeviceRuntime:
                 raise
 
     def _stage(self, enc, src, dst, nbytes: int, dtype) -> None:
-        """Copy a layer's tensor into a plan buffer: a device copy, or one write for a host array."""
+        """Copy a layer's tensor into a plan buffer: a device copy, or for a host array a copy
+        through the call's pinned inputs (``call_io``) or one write."""
         if isinstance(src, DeviceArray):
             enc.copy_buffer_to_buffer(src.buffer(), src.offset, dst, 0, nbytes)
         elif nbytes:
-            self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
+            io = self.call_io
+            role = "q" if dst is self.q else "selected" if dst is self.sel else None
+            if io is None or role is None or src.dtype != dtype or not io.stage(enc, role, src, dst, nbytes):
+                self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
+
+    def _host_io(self):
+        """The plan's pinned inputs and results (``_host_io.py``), made by the first call with
+        host results; None where the device cannot map host memory or the plan is too large."""
+        if not self.hio_made:
+            self.hio_made = True
+            self.hio = host_io(self.ctx, {"q": self.Tq * self.Hq * self.D * 4, "selected": self.emax * 4},
+                               CallResult.nbytes(self.Tq, self.Hq, self.D), self.bufs)
+        return self.hio
 
     def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None,
                 handoff=None, wide=None) -> None:
@@ -626,9 +643,14 @@ class DeviceRuntime:
         with device_errors(f"{fn} ({self.geometry['kernel']} kernel)", Tq=self.Tq, edges=self.emax):
             # a device call's results: the combine writes them into the result buffer itself, and
             # (decode) psa_handoff.wgsl the error words
-            res_buf = self._result_buffer() if device_out else None
-            bg_merge = self._merge_into(res_buf) if device_out else None
-            handoff = self._handoff(res_buf) if device_out and self.decode and not timed else None
+            # host results of a layer (not of a whole MSA layer, whose index branch may hold a
+            # pass open where the inputs' copies would go): through the pinned memory if any
+            hio = self._host_io() if not device_out and sparse is None else None
+            block = hio.take() if hio is not None else None
+            res_buf = self._result_buffer() if device_out else (block.buffer if block is not None else None)
+            bg_merge = self._merge_into(res_buf) if res_buf is not None else None
+            handoff = self._handoff(res_buf) if res_buf is not None and self.decode and not timed else None
+            self.call_io = hio
             batch = open_batch(self.ctx) if batched else None
             enc = batch.encoder if batched else dev.create_command_encoder(label="paged_sparse_attn.layer")
             try:
@@ -639,7 +661,7 @@ class DeviceRuntime:
                                  wide=self._widened(enc, q, self.q, "q"))
                 else:
                     self._encode_sparse(enc, q, k, v, *sparse, bg_merge=bg_merge, handoff=handoff)
-                dst = res_buf if device_out else self.rb
+                dst = res_buf if res_buf is not None else self.rb
                 if bg_merge is None:
                     enc.copy_buffer_to_buffer(self.out, 0, dst, 0, self.o_bytes)
                     enc.copy_buffer_to_buffer(self.oml, 0, dst, self.o_bytes, self.ml_bytes)
@@ -652,7 +674,11 @@ class DeviceRuntime:
             except BaseException as exc:
                 if batched:  # the open batch is incomplete: dropped, its calls raise when read
                     drop(self.ctx, exc)
+                if block is not None:
+                    hio.put(block)
                 raise
+            finally:
+                self.call_io = None
             if batched:
                 batch.recording = False
             t1 = time.perf_counter()
@@ -671,16 +697,26 @@ class DeviceRuntime:
                                  reader=self._read_results, batch=batch)
                 return res.tensors()
             n = self.o_bytes + self.ml_bytes + 8
+            shape = (self.Tq, self.Hq, self.D)
+            out = None
             try:
-                mapped = map_read(self.rb, n)  # waits for the submission
+                if block is not None:
+                    wait_queue_spinning(self.ctx)  # the kernels wrote the results into host memory
+                    raw = block.bytes
+                else:
+                    raw = np.frombuffer(map_read(self.rb, n), dtype=np.uint8)  # waits for the submission
                 t_map = time.perf_counter()
-                raw = np.frombuffer(mapped, dtype=np.uint8)
-                err = raw[self.o_bytes + self.ml_bytes:].view(np.uint32)
+                err = raw[self.o_bytes + self.ml_bytes:n].view(np.uint32)
                 if int(err[0]):
                     raise SpecError(error_message(fn, int(err[0]), int(err[1]), L.num_kv_heads, L.msb), "R6")
-                out = raw[:self.o_bytes].view(np.float32).reshape(self.Tq, self.Hq, self.D).copy()
                 lse = lse_from_ml(raw[self.o_bytes:self.o_bytes + self.ml_bytes].view(np.float32).reshape(-1, 2))
+                if block is not None:
+                    out = hio.out(block, self.o_bytes, shape)  # (lent: no copy)
+                else:
+                    out = raw[:self.o_bytes].view(np.float32).reshape(shape).copy()
             finally:
+                if block is not None and out is None:
+                    hio.put(block)  # not lent after all
                 if self.rb.map_state != "unmapped":
                     self.rb.unmap()
             t3 = time.perf_counter()

@@ -48,6 +48,13 @@ class Runtime:
     instance_toggles: tuple[str, ...] = ()
     device_toggles: tuple[str, ...] = ()
     driver_hint: str = ""
+    # the feature that makes buffers of host memory (plans' pinned inputs and results, _host_io.py),
+    # and the module of the runtime that makes them; None where the runtime has none
+    host_memory_feature: str | None = None
+    host_memory_extras: str = ""
+    # poll_work_done(device, spin_s): wait for the queue's submitted work, polling without
+    # blocking for up to spin_s seconds first; None where the runtime cannot poll (_transfer)
+    poll_work_done: Any = None
 
     @property
     def install_hint(self) -> str:
@@ -90,7 +97,13 @@ class Runtime:
         feats = ["shader-f16", "timestamp-query", self.subgroup_feature]
         if self.sgmat_feature:
             feats.append(self.sgmat_feature)
+        if self.host_memory_feature:
+            feats.append(self.host_memory_feature)
         return tuple(feats)
+
+    def host_memory_module(self) -> Any:
+        """The module with ``allocate_host_memory`` and ``create_buffer_from_host_memory``."""
+        return importlib.import_module(self.host_memory_extras)
 
     def logical_features(self, features) -> frozenset:
         """Device features in the host code's names (``subgroup``, ``subgroup-matrix``)."""
@@ -172,6 +185,24 @@ class Runtime:
 
 _configured: dict[str, bool] = {}
 
+def _dawn_poll_work_done(device, spin_s: float) -> None:
+    """Dawn: the queue's work-done future polled with ``wgpuInstanceWaitAny`` and a zero timeout
+    (never blocks) for up to ``spin_s`` seconds, then waited for as wgpudawn waits (blocking)."""
+    import time
+
+    from wgpudawn.backends.dawn import _api  # (the wgpudawn 0.32 the extra pins)
+
+    promise = device.queue.on_submitted_work_done_async()
+    info = _api.ffi.new("WGPUFutureWaitInfo *")
+    info.future.id = promise._wgpu_future_id
+    instance = _api.get_wgpu_instance()
+    wait_any = _api.libf.wgpuInstanceWaitAny
+    end = time.perf_counter() + spin_s
+    while not info.completed and time.perf_counter() < end:
+        wait_any(instance, 1, info, 0)
+    promise.sync_wait()  # (returns at once when done; the result or the runtime's error)
+
+
 WGPU_NATIVE = Runtime(
     name="wgpu", module="wgpu", extra="wgpu",
     subgroup_feature="subgroup", subgroup_directive="", trusted_modules=True, sgmat_feature=None,
@@ -189,6 +220,9 @@ DAWN = Runtime(
     instance_toggles=("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"),
     # timestamps at full resolution: the bench compares kernels of tens of microseconds
     device_toggles=("timestamp_quantization",),
+    # buffers on host memory (Vulkan's external host memory; behind allow_unsafe_apis)
+    host_memory_feature="host-mapped-pointer", host_memory_extras="wgpudawn.backends.dawn._extras_memory",
+    poll_work_done=_dawn_poll_work_done,
     driver_hint=("Dawn found no GPU adapter it supports (it needs a Vulkan 1.1 driver with descriptor "
                  "indexing, Metal or D3D12; Mesa's lavapipe CPU driver is not enough): install your GPU "
                  "driver, or use the 'wgpu' backend"),

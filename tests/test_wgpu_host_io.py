@@ -1,0 +1,137 @@
+"""Pinned host memory of a plan (``backends/wgpu/_host_io.py``): result blocks lent to the caller
+must never be written while an array over them lives, and must come back when none does.
+
+The lending is checked with a stand-in for the runtime's host-memory functions (Dawn's Null
+adapter cannot make buffers over host memory: its alignment limit is undefined), the whole call
+on a backend whose device maps host memory (``dawn`` on a GPU; skipped, with the reason,
+elsewhere).
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import paged_sparse_attn as psa
+from paged_sparse_attn import _attention_plan
+from paged_sparse_attn.backends.wgpu import _host_io
+from paged_sparse_attn.testing import assert_attention_close
+from paged_sparse_attn.testing.generate import random_problem
+
+
+class _Memory:
+    """What ``HostIO`` calls of the runtime's host-memory module: pages, and a buffer record."""
+
+    @staticmethod
+    def allocate_host_memory(device, size):
+        return memoryview(mmap.mmap(-1, -(-size // 4096) * 4096))
+
+    @staticmethod
+    def create_buffer_from_host_memory(device, mem, *, usage, label=""):
+        return SimpleNamespace(mem=mem, usage=usage, label=label)
+
+
+@pytest.fixture
+def null_io():
+    """A ``HostIO`` of 1000 + 24 bytes of inputs and 4 KiB result blocks, on stand-in memory."""
+    runtime = SimpleNamespace(host_memory_module=lambda: _Memory)
+    ctx = SimpleNamespace(runtime=runtime, device=None, host_memory=True)
+    owner: list = []
+    return _host_io.HostIO(ctx, {"q": 1000, "selected": 24}, 4096, owner), owner
+
+
+def test_inputs_are_laid_out_apart_and_staged_only_when_they_fit(null_io):
+    io, owner = null_io
+    assert io.at == {"q": 0, "selected": 1024}  # (256-byte aligned offsets)
+    copies = []
+    enc = SimpleNamespace(copy_buffer_to_buffer=lambda *a: copies.append(a))
+    q = np.arange(250, dtype=np.float32)
+    assert io.stage(enc, "q", q, "dst", 1000)
+    assert io.in_bytes[:1000].view(np.float32).tolist() == q.tolist()
+    assert copies == [(io.inputs, 0, "dst", 0, 1000)]
+    assert not io.stage(enc, "q", q[::2], "dst", 500)  # not C-contiguous: the caller writes it
+    assert not io.stage(enc, "selected", np.zeros(5, np.int32), "dst", 24)  # not the planned size
+    assert len(copies) == 1 and io.inputs in owner
+
+
+def test_a_lent_block_is_not_reused_while_any_view_of_its_array_lives(null_io):
+    io, owner = null_io
+    blocks = [io.take() for _ in range(_host_io.LEND)]
+    assert all(b.lent for b in blocks) and len({id(b) for b in blocks}) == _host_io.LEND
+    assert io.take() is io.own  # all lent: the plan's own block (its results are copied)
+    for i, b in enumerate(blocks):
+        b.bytes[:64].view(np.float32)[:] = i  # what the GPU would have written
+    outs = [io.out(b, 64, (4, 4)) for b in blocks]
+    assert all(np.shares_memory(o, b.bytes) for o, b in zip(outs, blocks))  # no copy
+    view = outs[0][1:].T  # a view outliving its array
+    del outs[0]
+    gc.collect()
+    assert io.take() is io.own  # block 0 is still referred to
+    del view
+    gc.collect()
+    assert io.take() is blocks[0]  # back once nothing refers to it
+    io.put(blocks[0])
+    own = io.out(io.own, 64, (4, 4))
+    assert not np.shares_memory(own, io.own.bytes)  # the own block's results are copied
+    io.put(io.own)
+    assert io.take() is blocks[0]  # (put ignores the own block)
+    assert len(owner) == 2 + _host_io.LEND  # inputs, own block, lendable blocks
+
+
+def test_plans_too_large_for_the_limit_get_none(null_io):
+    io, _ = null_io
+    ctx = SimpleNamespace(host_memory=True)
+    assert _host_io.host_io(ctx, {"q": _host_io.HOST_IO_BYTES}, 16, []) is None
+    assert _host_io.host_io(SimpleNamespace(host_memory=False), {"q": 16}, 16, []) is None
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+def test_results_held_across_calls_stay_intact(backend):
+    """Decode calls with host arrays: the results of more calls than a plan lends blocks of host
+    memory, all held at once, each equal to its own reference afterwards (on a device that maps
+    host memory the plan lends them; elsewhere each call copies out of its readback buffer)."""
+    pb = random_problem(3, seqlens_q=(1, 1, 1), Hkv=2, G=4, D=32, page_size=8, ppb=2, msb=4, causal=True,
+                        dtype=np.float16, q_dtype=np.float32, poison=False)
+    k, v = backend.upload_kv_cache(pb.k_cache, pb.v_cache)
+    rng = np.random.default_rng(0)
+    qs = [rng.standard_normal(pb.q.shape, dtype=np.float32) for _ in range(2 * _host_io.LEND + 1)]
+    held = [psa.forward(q, k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True) for q in qs]
+    plans = [p for p, *_ in _attention_plan._cache.values() if p.backend is backend]
+    assert plans
+    lent = any(getattr(p._runtime, "hio", None) is not None for p in plans)
+    assert lent == backend.device_context.host_memory
+    if lent:
+        assert all(not out.flags.owndata for out, _ in held[:_host_io.LEND])  # over the blocks: no copies
+    for q, (out, lse) in zip(qs, held):
+        ref, ref_lse = psa.dense_reference(q, *pb.args[1:], **pb.options)
+        assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
+    again = psa.forward(qs[0], k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
+    assert again[0].tobytes() == held[0][0].tobytes() and again[1].tobytes() == held[0][1].tobytes()
+
+
+def test_a_spinning_wait_returns_after_the_submitted_work_on_a_runtime_that_cannot_poll(WgpuBackend):
+    """wgpu-native cannot poll without blocking: ``wait_queue_spinning`` waits as ``wait_queue``
+    does, and the work submitted before it is done when it returns."""
+    from paged_sparse_attn.backends.wgpu._transfer import wait_queue_spinning
+    from paged_sparse_attn.backends.wgpu._webgpu import BufferUsage
+
+    be = WgpuBackend()
+    try:
+        ctx = be.device_context
+        assert ctx.runtime.poll_work_done is None and not ctx.host_memory
+        dev = ctx.device
+        src = dev.create_buffer_with_data(data=np.arange(64, dtype=np.uint32), usage=BufferUsage.COPY_SRC)
+        rb = dev.create_buffer(size=256, usage=BufferUsage.MAP_READ | BufferUsage.COPY_DST)
+        enc = dev.create_command_encoder()
+        enc.copy_buffer_to_buffer(src, 0, rb, 0, 256)
+        dev.queue.submit([enc.finish()])
+        wait_queue_spinning(ctx)
+        rb.map_sync(1)  # (done: maps at once)
+        assert np.frombuffer(rb.read_mapped(), np.uint32).tolist() == list(range(64))
+        rb.unmap()
+    finally:
+        be.close()
