@@ -1,6 +1,7 @@
 """Experiment: where the tensor-core prefill partials (psa_partials_sgmat.wgsl) spend their time.
 
-Not a check: each variant is the kernel with one part left out (results are wrong on purpose),
+Not a check: each variant is the kernel with one part left out, or stopped after one of its
+stages (each stage's row adds that stage to the one above; results are wrong on purpose),
 registered under the kernel's own name for this process only, and timed on the bench's prefill
 layer workload (B = 1, L = 32k, the last 4096 queries, causal, top-16 of 128-token blocks,
 float16 caches) as the GPU time of a planned attention call's partials and combine (timestamps),
@@ -27,37 +28,45 @@ from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu import _kernels
 
 BASE = "psa_partials_sgmat.wgsl"
-S_PRODUCTS = ["                    acc = subgroupMatrixMultiplyAccumulate(ah, b, acc);\n",
-              "                    acc = subgroupMatrixMultiplyAccumulate(al, b, acc);\n"]
-PV_PRODUCTS = [f"                acc{i} = subgroupMatrixMultiplyAccumulate({x}, b, acc{i});\n"
-               for i in range(8) for x in ("ah", "al")]
+# the kernel's products (their lines as the kernel has them)
+QLO = [f"                    acc = subgroupMatrixMultiplyAccumulate(ql{j}, b, acc);\n" for j in range(16)]
+QHI = [f"                    acc = subgroupMatrixMultiplyAccumulate(qh{j}, b, acc);\n" for j in range(16)]
+PLO = [f"                acc{i} = subgroupMatrixMultiplyAccumulate(al, b, acc{i});\n" for i in range(8)]
+PHI = [f"                acc{i} = subgroupMatrixMultiplyAccumulate(ah, b, acc{i});\n" for i in range(8)]
+# each stage's end: the item stops there, writing one value per row that depends on the stage's
+# work (so that a compiler keeps it) into ml_out (uniform: the exit depends on params only)
+STAGES = {
+    "0. work item read, rows and page lists set up": "    // 0. The first K tile",
+    "1. + queries loaded, scaled and split": "    // the subgroup's row block of split",
+    "2. + scores (S = Q K^T, K tiles staged)": "    // 2. Softmax of the block",
+    "3. + softmax (weights split, codes)": "    // 3. o += P V",
+}
+EXIT_VALUE = {
+    "0. work item read, rows and page lists set up": "vec2<f32>(f32(row_len[tid]), f32(key_src[tid % BK]))",
+    "1. + queries loaded, scaled and split": "bitcast<vec2<f32>>(wmem[tid].xy)",
+    "2. + scores (S = Q K^T, K tiles staged)": "vec2<f32>(s_get(tid, 0u), s_get(tid, 1u))",
+    "3. + softmax (weights split, codes)": "vec2<f32>(row_m[tid], row_l[tid]) + bitcast<vec2<f32>>(wmem[tid].xy)",
+}
+
+
+def _exit(label: str) -> list[tuple[str, str]]:
+    marker = STAGES[label]
+    barrier = "    workgroupBarrier();\n" if label.startswith("3.") else ""  # (the softmax's row_m, row_l)
+    return [(marker, f"{barrier}    if (params.scale != 1234.5) {{ if (tid < n_rows) {{ "
+                     f"ml_out[prow0 + tid] = {EXIT_VALUE[label]}; }} return; }}\n{marker}")]
+
+
 EDITS = {
     "as is": [],
-    "no S = Q K^T products (nor their matrix loads)": [(x, "") for x in S_PRODUCTS],
-    "no P V products (nor their matrix loads)": [(x, "") for x in PV_PRODUCTS],
-    "no products at all": [(x, "") for x in S_PRODUCTS + PV_PRODUCTS],
-    "no K/V reads from the cache (zeros staged)": [
-        ("                u = k_cache[row + x - k * D8];", "                u = vec4<u32>(row & 0u);"),
-        ("                u = v_cache[row + x - k * D8];", "                u = vec4<u32>(row & 0u);")],
-    # finer parts of the per-item work (each alone left out)
-    "no query loads (zeros split)": [("        v = q[row_q[r] + x - r * QV];", "        v = vec4<f32>(f32(row_q[r] & 0u));")],
-    "no K/V tile stores but one half per unit": [
-        (("    hmem[b + 1u] = h0.y;\n    hmem[b + 2u] = h1.x;\n    hmem[b + 3u] = h1.y;\n    hmem[b + 4u] = h2.x;\n"
-          "    hmem[b + 5u] = h2.y;\n    hmem[b + 6u] = h3.x;\n    hmem[b + 7u] = h3.y;\n"), "")],
-    "no score rescale pass": [("                sbuf[i] = (sbuf[i] * row_down[r]) * params.scale;\n", "")],
-    "no exp in the softmax": [("                p = select(exp(sc - m_new), REMOVED, is_ninf(sc));",
-                               "                p = select(sc - m_new, REMOVED, is_ninf(sc));")],
-    "no P stores (the softmax's split weights)": [
-        ("            hmem[sr * PB + k] = f16(h);\n            hmem[RMAX * QA + sr * PB + k] = f16(pm - h);\n", "")],
-    "no partial rows written": [("        o_out[(prow0 + r) * D + d] = o;",
-                                 "        if (o == 1234.5) { o_out[(prow0 + r) * D + d] = o; }")],
-    # not a part left out: the rows' largest |q| reduced per subgroup, one atomic per row and
-    # subgroup instead of one per lane (right where a subgroup's 32 units are one row: D = 128)
-    "query maxima by subgroup (same results)": [
-        ("diagnostic(off, chromium.subgroup_matrix_uniformity);\n",
-         "diagnostic(off, chromium.subgroup_matrix_uniformity);\ndiagnostic(off, subgroup_uniformity);\n"),
-        ("    atomicMax(&row_qmax[x / QV], mb);\n",
-         "    let mw = subgroupMax(mb);\n    if ((x & 31u) == 0u) {\n        atomicMax(&row_qmax[x / QV], mw);\n    }\n")],
+    **{f"stage {label}": _exit(label) for label in STAGES},
+    "stage 4. + o = P V (all but the partial rows written)": [
+        ("        o_out[(prow0 + r) * D + d] = o;", "        if (o == 1234.5) { o_out[(prow0 + r) * D + d] = o; }")],
+    # parts left out, each alone
+    "no Q lo products": [(x, "") for x in QLO],
+    "no P lo products": [(x, "") for x in PLO],
+    "no products at all": [(x, "") for x in QLO + QHI + PLO + PHI],
+    "no score rescale pass": [("                s_set(r, k, (s_get(r, k) * row_down[r]) * params.scale);",
+                               "                if (params.scale == 1234.5) { s_set(r, k, 0.0); }")],
 }
 
 
@@ -77,7 +86,7 @@ def main() -> int:
             for old, new in edits:
                 if old not in src:
                     raise SystemExit(f"edit not found: {old!r}")
-                src = src.replace(old, new)
+                src = src.replace(old, new, 1)
             register(BASE, src, row)
             be = type(registry.get_backend("dawn"))(timestamps=True)
             try:
@@ -86,11 +95,11 @@ def main() -> int:
                 res.setdefault(label, []).append(t)
                 ref = outs.setdefault("as is", out) if label == "as is" else outs.get("as is")
                 same = "" if ref is None else f"  same bits as 'as is': {np.array_equal(out, ref, equal_nan=True)}"
-                print(f"round {r}: {label:46s} {t * 1e3:7.3f} ms  (kernel {kern}){same}", flush=True)
+                print(f"round {r}: {label:50s} {t * 1e3:7.3f} ms  (kernel {kern}){same}", flush=True)
             finally:
                 be.close()
     register(BASE, src0, row)
-    print_medians(res, 46)
+    print_medians(res, 50)
     return 0
 
 

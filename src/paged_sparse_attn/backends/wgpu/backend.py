@@ -61,7 +61,7 @@ from ._runtime import DAWN, WGPU_NATIVE, Runtime
 from ._sgmat import choose_sgmat_geometry, sgmat_ineligible
 from ._tensors import WgpuTensor, lse_from_ml
 from ._tensors import upload as upload_tensor
-from ._transfer import CallBuffers, bind_group, read_ranges, wait_queue
+from ._transfer import CallBuffers, bind_group, read_ranges, wait_queue_spinning
 from ._webgpu import BufferUsage, QueryType
 
 __all__ = ["DawnBackend", "WgpuArray", "WgpuBackend", "WgpuTensor"]
@@ -295,7 +295,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 return
             try:
                 with device_errors("synchronize"):
-                    wait_queue(ctx)
+                    wait_queue_spinning(ctx)  # (polls before it blocks, as torch.cuda.synchronize spins)
             except DeviceError as exc:
                 after_device_error(self, exc)  # a lost device: closed, the next call opens a new one
                 raise
