@@ -17,9 +17,9 @@ memory of a buffer:
   array every view of it keeps alive). A plan lends at most ``LEND`` blocks at a time; past
   that, a call uses the plan's own block and copies ``out`` out of it.
 
-Measured on an H200 through Dawn (decode ``forward()``, 512 KiB in and out): the wait for a
-submission 196 -> 150 us (no copy to a readback buffer), reading the results 70 -> ~15 us (no
-copy out). The memory is only ever used by a call that waits for its submission before it
+Measured on an H200 through Dawn (decode ``forward()``, 512 KiB in and out, with the polled
+wait of ``_transfer.wait_queue_spinning``): the wait for the submission 198 -> 152 us, reading
+the results 90 -> 41 us, the whole call 644 -> 501 us (``docs/benchmarks.md``, 2026-12-03). The memory is only ever used by a call that waits for its submission before it
 returns (host results), and the backend's lock serialises calls, so a call never writes inputs
 or results the GPU is still using, and a lent block is never written while an array over it
 lives. Plans whose inputs and results exceed ``HOST_IO_BYTES`` do without (pinned memory per

@@ -15,8 +15,11 @@ pipeline a layer needs. A layer then encodes
    the generic kernel also numbers its multi-edge items (``item_flags``, a scan, ``items``);
 3. the partials kernel's params record copied from pass A's output into its uniform buffer;
 4. pass B: the partials kernel (indirect dispatch) and the combine (``psa_merge.wgsl``);
-5. the results: copied into a new device buffer (device ``q``: the results stay there, R30) or
-   into the plan's readback buffer, mapped once (host ``q``).
+5. the results: written into a new device buffer (device ``q``: the results stay there, R30);
+   for a host ``q`` into a block of host memory the GPU maps, lent to the caller as ``out``
+   (``_host_io.py``: where the device makes such buffers and the plan is small), else copied
+   into the plan's readback buffer, mapped once. Host ``q`` and ``selected`` go the same way:
+   copied into the plan's pinned inputs and from there to the device, else one write each.
 
 A layer whose every per-call tensor is a device array is recorded into the device's open batch
 (``_batch.open_batch``) instead of an encoder of its own, and submitted with the layers around
@@ -230,8 +233,8 @@ class DeviceRuntime:
         self.out = self._buffer(self.o_bytes, st | U.COPY_SRC, "out")
         self.oml = self._buffer(self.ml_bytes, st | U.COPY_SRC, "out.ml")
         self.rb = self._buffer(self.o_bytes + self.ml_bytes + 8, U.MAP_READ | U.COPY_DST, "readback")
-        self.hio = None  # pinned inputs and results of host calls (_host_io.py): made by the first
-        self.hio_made = False
+        self.hio = None  # pinned inputs and results of host calls (_host_io.py), made by the first
+        self.hio_made = False  # (None where the device cannot map host memory)
         self.call_io = None  # the HostIO the call being encoded stages its host tensors through
         self.consts = self._buffer(5 * align, U.UNIFORM | U.COPY_DST, "consts")
 

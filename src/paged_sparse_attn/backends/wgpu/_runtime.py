@@ -185,6 +185,7 @@ class Runtime:
 
 _configured: dict[str, bool] = {}
 
+
 def _dawn_poll_work_done(device, spin_s: float) -> None:
     """Dawn: the queue's work-done future polled with ``wgpuInstanceWaitAny`` and a zero timeout
     (never blocks) for up to ``spin_s`` seconds, then waited for as wgpudawn waits (blocking)."""
