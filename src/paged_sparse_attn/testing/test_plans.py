@@ -129,6 +129,30 @@ def test_R30_device_inputs_give_device_outputs_with_the_same_bits(backend, data)
 
 
 @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_R30_host_outputs_held_across_calls_keep_their_values(backend, data, seed):
+    """R30: host results are the caller's: the results of nine calls, all held (and a view of the
+    first), are unchanged by the calls after them; each equals the same call made again."""
+    p = _problem(data, backend)
+    rng = np.random.default_rng(seed)
+    k, v = _caches(backend, p.k_cache, p.v_cache)
+    qs = [p.q] + [rng.standard_normal(p.q.shape).astype(p.q.dtype) for _ in range(8)]
+
+    def call(q):
+        return psa.forward(q, k, v, p.block_tables, p.selected, p.cu_seqlens_q, used_kv_lens=p.used_kv_lens,
+                           block_size=p.block_size, softmax_scale=p.softmax_scale, causal=p.causal,
+                           backend=backend, return_lse=True)
+
+    held = [call(q) for q in qs]
+    view = held[0][0][::-1]
+    first = [held[0][0].copy(), held[0][1].copy()]
+    del held[0]
+    for q, got in zip(qs[1:], held):
+        assert _bits(got, call(q)), "R30: a held result changed, or the same call gave other bits"
+    assert view[::-1].tobytes() == first[0].tobytes(), "R30: a view of a dropped result was written over"
+    assert _bits(call(qs[0]), first)
+
+
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
 def test_R7_a_float16_q_gives_the_bits_of_q_widened_by_numpy(backend, data, seed):
     """R7: a backend computes with q widened exactly to float32, wherever it widens it (a backend
     may take a float16 q as it is and widen it on its device): forward() and plan.run() with a
