@@ -82,6 +82,20 @@ def test_a_lent_block_is_not_reused_while_any_view_of_its_array_lives(null_io):
     assert len(owner) == 2 + _host_io.LEND  # inputs, own block, lendable blocks
 
 
+def test_memory_the_device_refuses_gives_none_and_says_why():
+    """A device that offers host memory but refuses it: no HostIO (the plan's other transport),
+    and a warning naming the runtime's reason."""
+
+    class Refusing(_Memory):
+        @staticmethod
+        def create_buffer_from_host_memory(device, mem, *, usage, label=""):
+            raise ValueError("The address and size of the memory must be multiples of 4096")
+
+    ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: Refusing), device=None, host_memory=True)
+    with pytest.warns(RuntimeWarning, match="refused them .*multiples of 4096"):
+        assert _host_io.host_io(ctx, {"q": 64}, 64, []) is None
+
+
 def test_plans_too_large_for_the_limit_get_none(null_io):
     io, _ = null_io
     ctx = SimpleNamespace(host_memory=True)

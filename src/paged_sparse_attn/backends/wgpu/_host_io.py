@@ -28,10 +28,12 @@ plan is kept small; a prefill's copies are bound by the bus anyway).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import numpy as np
 
+from ._runtime import gpu_error_types
 from ._webgpu import BufferUsage
 
 __all__ = ["HOST_IO_BYTES", "LEND", "HostIO", "host_io"]
@@ -129,7 +131,18 @@ class HostIO:
 
 def host_io(ctx, inputs: dict[str, int], result_bytes: int, owner: list) -> HostIO | None:
     """A plan's ``HostIO``, or None where the runtime cannot map host memory or the plan's
-    inputs and result blocks exceed ``HOST_IO_BYTES``."""
+    inputs and result blocks exceed ``HOST_IO_BYTES``.
+
+    A device that offers the feature but refuses the memory (a driver's limit on pinned memory,
+    an alignment it reports wrongly) gives None with a ``RuntimeWarning`` that says why: the
+    plan then moves host arrays by writes and a mapped readback, the same results, as on a
+    device without the feature (the transport changes, never the values)."""
     if not ctx.host_memory or sum(inputs.values()) + (1 + LEND) * result_bytes > HOST_IO_BYTES:
         return None
-    return HostIO(ctx, inputs, result_bytes, owner)
+    try:
+        return HostIO(ctx, inputs, result_bytes, owner)
+    except (*gpu_error_types(), ValueError, OSError) as exc:
+        warnings.warn(f"paged_sparse_attn: the device offers buffers of host memory but refused them "
+                      f"({type(exc).__name__}: {exc}); this plan moves host arrays by writes and a mapped "
+                      "readback instead", RuntimeWarning, stacklevel=2)
+        return None
