@@ -8,10 +8,13 @@ combine (timestamps), each version on a fresh device, in alternating rounds; eve
 compared bit for bit with every other version's (the largest difference when they differ). The
 host picks the geometry as it does now, so a version must take the same override constants;
 ``--rows LABEL=R`` caps that version's rows per work item at R (a kernel from before items of
-64 rows: ``--rev c74a2ef --rows 'at c74a2ef=32'``).
+64 rows: ``--rev c74a2ef --rows 'at c74a2ef=32'``); ``--npw LABEL=N`` runs that version on N
+workgroups that loop over the items (``NPW``), and ``N = 0`` one workgroup per item, without the
+``NPW`` constant (a kernel from before persistent workgroups: ``--rev 66a91ec --npw 'at 66a91ec=0'``).
 Run on a machine with Dawn and f16 subgroup matrices:
 
-    python scripts/experiment_partials_ab.py --rev e603a7a [--variant LABEL=DIR] [--rows LABEL=R] [--rounds 2] [--calls 4]
+    python scripts/experiment_partials_ab.py --rev e603a7a [--variant LABEL=DIR] [--rows LABEL=R] [--npw LABEL=N]
+        [--rounds 2] [--calls 4]
 """
 
 from __future__ import annotations
@@ -30,9 +33,22 @@ from _wgsl_variants import original, print_medians, register
 
 from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu import _kernels, _sgmat
+from paged_sparse_attn.backends.wgpu import backend as backend_module
 
 BASE = "psa_partials_sgmat.wgsl"
 ROOT = Path(__file__).resolve().parents[1]
+
+
+class OneItemPerWorkgroup(_sgmat.SgmatGeometry):
+    """The geometry of a kernel from before persistent workgroups: one workgroup per item, no
+    ``NPW`` constant."""
+
+    @property
+    def max_workgroups(self):
+        return None
+
+    def constants(self) -> dict[str, int]:
+        return {k: v for k, v in super().constants().items() if k != "NPW"}
 
 
 def versions(revs: list[str], folders: list[str]) -> dict[str, str]:
@@ -52,6 +68,8 @@ def main() -> int:
     ap.add_argument("--rev", action="append", default=[], help="a git revision whose kernel to time (repeatable)")
     ap.add_argument("--variant", action="append", default=[], help="LABEL=DIR: a folder holding the kernel file")
     ap.add_argument("--rows", action="append", default=[], help="LABEL=R: at most R rows per work item for that version")
+    ap.add_argument("--npw", action="append", default=[],
+                    help="LABEL=N: N persistent workgroups for that version (0: one per item, no NPW constant)")
     ap.add_argument("--backend", default="dawn")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--calls", type=int, default=4)
@@ -63,6 +81,9 @@ def main() -> int:
     outs: dict = {}
     caps = {label: int(r) for label, _, r in (x.rpartition("=") for x in a.rows)}
     candidates = _sgmat._candidates
+    npws = {label: int(n) for label, _, n in (x.rpartition("=") for x in a.npw)}
+    npw0 = _sgmat.PERSISTENT_WORKGROUPS
+    choose = backend_module.choose_sgmat_geometry
     try:
         for r in range(a.rounds):
             for label, src in srcs.items():
@@ -70,6 +91,10 @@ def main() -> int:
                 cap = caps.get(label)
                 _sgmat._candidates = candidates if cap is None else (
                     lambda ctx, D, bs, rows, _c=cap: candidates(ctx, D, bs, min(rows, _c)))
+                npw = npws.get(label, npw0)
+                _sgmat.PERSISTENT_WORKGROUPS = npw or npw0
+                backend_module.choose_sgmat_geometry = choose if npw else (
+                    lambda *args, **kw: OneItemPerWorkgroup(**vars(choose(*args, **kw))))
                 be = type(registry.get_backend(a.backend))(timestamps=True)
                 try:
                     t, out, geo = li.attention_gpu_time(be, lw, prob, a.calls)
@@ -88,6 +113,8 @@ def main() -> int:
     finally:
         register(BASE, srcs["as it is"], row)
         _sgmat._candidates = candidates
+        _sgmat.PERSISTENT_WORKGROUPS = npw0
+        backend_module.choose_sgmat_geometry = choose
     print_medians(res, 24)
     return 0
 

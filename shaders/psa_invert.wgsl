@@ -90,7 +90,7 @@ struct InvParams {
     grid_x: u32,      // workgroups along x of this dispatch (2-D grid)
     slab4: u32,       // params record of the partials kernel: slab stride in vec4s
     scale: u32,       // ... and softmax_scale (f32 bits)
-    _pad0: u32,
+    wg_cap: u32,      // workgroups of the partials dispatch at most (0: one per item)
     _pad1: u32,
     _pad2: u32,
     _pad3: u32,
@@ -402,9 +402,15 @@ fn finalize() {
     if (DECODE == 0u) {
         n_items = scan[params.s2_tiles + params.s2_ntiles] * params.nh;
     }
-    let gx = params.gx;
+    // workgroups: one per item, or at most wg_cap for a kernel whose workgroups loop over items;
+    // the grid no wider than they (a dispatch of gx x rows launches every workgroup of the grid)
+    var wgs = n_items;
+    if (params.wg_cap != 0u) {
+        wgs = min(wgs, params.wg_cap);
+    }
+    let gx = max(min(params.gx, wgs), 1u);
     atomicStore(&args[0], gx);
-    atomicStore(&args[1], (n_items + gx - 1u) / gx);
+    atomicStore(&args[1], (wgs + gx - 1u) / gx);
     atomicStore(&args[2], 1u);
     atomicStore(&args[3], 0u);
     atomicStore(&args[4], 0u);          // item_base

@@ -2,9 +2,11 @@
 // cores): a drop-in for psa_partials.wgsl on float16 caches.
 //
 // Same bindings, Params, plan records (work items, edge records, page lists), outputs and empty
-// representation as psa_partials.wgsl (read its header): one workgroup per work item of up to
-// RMAX rows (edges x query heads) reading one KV block; a partial row's o is unnormalised, its
-// (m, l) has l == 0 for a row that attended nothing and l >= 1 otherwise.
+// representation as psa_partials.wgsl (read its header): work items of up to RMAX rows (edges x
+// query heads) reading one KV block; a partial row's o is unnormalised, its (m, l) has l == 0 for
+// a row that attended nothing and l >= 1 otherwise. Workgroups loop over the items: workgroup w
+// of min(NPW, n_items) runs items w, w + NPW, ... (the host dispatches that many; any further
+// workgroup returns), each item as below.
 //
 // Bindings (group 0); the storage arrays are other views of the same buffers
 //   0 params  uniform              Params
@@ -44,7 +46,8 @@
 //      pairs of left-hand matrices, held in registers for the whole of step 1.
 //   1. Scores of the whole block (max_len <= BK positions), a K tile of TK keys at a time:
 //      S' = Qhi K^T + Qlo K^T on subgroup matrices (f16 products are exact in f32, f32
-//      accumulation), stored over the staged queries, then s = (S' 2^-e) * scale (2^-e exact).
+//      accumulation), stored over the staged queries; s = (S' 2^-e) * scale (2^-e exact) where
+//      step 2 reads them (fma_tiles: the tiles whose scores are final already).
 //      A tile whose readable K holds NaN or +-inf (or an item with the FMA flag) computes its
 //      scores with f32 FMAs from the f32 q instead: the FMA kernel's scores, in its order.
 //   2. Softmax of the whole block (f32, as psa_partials.wgsl step 3 over one tile of max_len
@@ -63,8 +66,11 @@
 //      block and NDT 16-column blocks of o.
 //   4. o is staged through the words and the item's rows are written out.
 // Every K/V tile's global loads are issued into registers one tile ahead (the next K tile, then
-// the first V tile during the last K tile and the softmax, then the next V tile), the first K
-// tile's together with the queries': the kernel waits on a load only once per item.
+// the first V tile during the last K tile and the softmax, then the next V tile). The next item
+// is read during this one: its record when this item starts, its edge rows and page list (and
+// the cache rows of its first K tile, the query rows of its queries) during the softmax, its
+// first K tile and its queries during the last V tile; its rows and page list are stored into
+// workgroup memory after this item's last barrier. Only a workgroup's first item waits on memory.
 //
 // Special values (R26, R10), as psa_partials.wgsl:
 //   - positions of INVALID pages and past max_len are never read (zeros in the tiles);
@@ -93,6 +99,7 @@
 //         score tiles of a K tile are dealt out to the subgroups (some idle when there are fewer);
 //         NK = BK / (WG / RMAX) 8, 16 or 32
 //   LD, LQ (derived) K/V and query units an invocation holds in registers: at most 8 each
+//   NPW   workgroups at most (persistent: each loops over every NPW-th item)
 // Workgroup memory (bytes, each variable rounded to 16): 16 * WCAP + 4 * BK + 6 * 4 * RMAX
 //   + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes: 48704 for D = 128, RMAX = 64
 //   and BK = 128). The host checks RMAX * SW + TK * HW <= WCAP.
@@ -128,7 +135,8 @@ override NST: u32 = (NRB * (TK / 16u) + NSG - 1u) / NSG;  // 16x16 score tiles p
 override NK: u32 = BK / SL;                // positions per softmax invocation (8, 16 or 32)
 override NKL: u32 = NK / 4u;               // their vec4 of scores (<= 8, in registers)
 override CG: u32 = min(32u / NK, SL);      // softmax invocations of a row whose codes share a u32
-override NPW: u32 = D / 16u;               // poison words per row (2 bits per column)
+override NPW_POISON: u32 = D / 16u;        // poison words per row (2 bits per column)
+override NPW: u32 = 528u;                  // persistent workgroups (the host sets _sgmat.PERSISTENT_WORKGROUPS)
 override QV: u32 = D / 4u;                 // vec4 per query row
 override LD: u32 = (TK * D8 + WG - 1u) / WG;  // K/V units per invocation and tile (<= 8)
 override LQ: u32 = (RMAX * QV + WG - 1u) / WG;  // query units per invocation (<= 8)
@@ -168,7 +176,7 @@ var<workgroup> row_down: array<f32, RMAX>;          // 2^-e of the row's query s
 var<workgroup> row_m: array<f32, RMAX>;
 var<workgroup> row_l: array<f32, RMAX>;
 var<workgroup> row_qmax: array<atomic<u32>, RMAX>;  // bits of the row's largest |q|
-var<workgroup> poison: array<atomic<u32>, RMAX * NPW>;
+var<workgroup> poison: array<atomic<u32>, RMAX * NPW_POISON>;
 var<workgroup> q_bad: u32;      // 1: a query of the item holds NaN or +-inf (FMA scores)
 var<workgroup> flag0: u32;      // 1: the tile holds NaN or +-inf at a readable position;
 var<workgroup> flag1: u32;      //    two flags, alternating by tile, so that a reset never races a set
@@ -248,6 +256,16 @@ fn load_unit(x: u32, k0: u32, which: u32) -> vec4<u32> {
     return u;
 }
 
+// Unit x of the first K tile of an item, whose position x / D8 has cache row `row` (key_row):
+// the loads of the next item's first tile, issued before its page list is in workgroup memory.
+fn load_unit_at(x: u32, row: u32) -> vec4<u32> {
+    var u = vec4<u32>(0u);
+    if (x < TK * D8 && row != INVALID) {
+        u = k_cache[row + x - (x / D8) * D8];
+    }
+    return u;
+}
+
 fn store_unit(x: u32, u_in: vec4<u32>, which: u32) -> bool {
     if (x >= TK * D8) {
         return false;
@@ -272,6 +290,22 @@ fn q_load(x: u32, n_rows: u32) -> vec4<f32> {
     var v = vec4<f32>(0.0);
     if (x < RMAX * QV && r < n_rows) {
         v = q[row_q[r] + x - r * QV];
+    }
+    return v;
+}
+
+// The vec4 index of row r's query in an item (edge records at erec, heads g0 .. g0 + ng).
+fn row_query(r: u32, erec: u32, g0: u32, ng: u32) -> u32 {
+    let ie = r / ng;
+    return ((plan[erec + 2u * ie] * params.group + g0 + (r - ie * ng)) * D) / 4u;
+}
+
+// Query unit x of an item whose row x / QV has its query at vec4 `qo` (row_query), or zeros
+// (qo = INVALID: past the item's rows)
+fn q_load_at(x: u32, qo: u32) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    if (x < RMAX * QV && qo != INVALID) {
+        v = q[qo + x - (x / QV) * QV];
     }
     return v;
 }
@@ -318,6 +352,22 @@ fn q_split(x: u32, v: vec4<f32>) {
     wmem[w + PW][o + 1u] = bitcast<u32>(lo.zw);
 }
 
+// The vec4<u32> index of position k's cache row in an item's block (max_len positions, page list
+// at `pages`), or INVALID for a position past max_len or on an INVALID page.
+// R34: HND (RH = 1) slab * slab_stride + off * TD; NHD the page's row off * RH + head, with page
+// slab / RH and head slab % RH (as psa_partials.wgsl)
+fn key_row(k: u32, max_len: u32, pages: u32) -> u32 {
+    var row = INVALID;
+    if (k < max_len) {
+        let slab = plan[pages + k / S];
+        if (slab != INVALID) {
+            let page = slab / RH;
+            row = (page * RH * params.slab_stride + ((k % S) * RH + (slab - page * RH)) * TD) / 2u;
+        }
+    }
+    return row;
+}
+
 fn set_flag(par: u32) {
     if (par == 0u) {
         flag0 = 1u;
@@ -332,23 +382,28 @@ alias Result = subgroup_matrix_result<f32, 16, 16>;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
-    let item = wid.y * params.grid_x + wid.x;
-    if (item >= params.n_items) {
+    // Persistent workgroups: workgroup w of NPW runs items w, w + NPW, ... of the dispatch; while
+    // it works on one item it reads the next one's record, rows and page list, and issues its
+    // first K tile's and queries' loads, so that no item starts by waiting on memory.
+    let w = wid.y * params.grid_x + wid.x;
+    let nwg = min(NPW, params.n_items);
+    if (w >= nwg) {
         return;
     }
-    let ib = (params.item_base + item) * 8u;
-    let max_len = plan[ib];
-    let n_e = plan[ib + 1u];
-    let g0 = plan[ib + 2u];
-    let ng = plan[ib + 3u];
-    let erec = plan[ib + 4u];
-    let pages = plan[ib + 5u];
-    let prow0 = plan[ib + 6u];
-    let n_rows = n_e * ng;
     let sg = tid / 32u;        // this invocation's subgroup
     let rb = sg % NRB;         // its 16-row block
     let cb = sg / NRB;         // its share of the columns
 
+    // the first item's record, rows and page list (buffer 0), as every later item's (below)
+    var item = w;
+    var ib = (params.item_base + item) * 8u;
+    var max_len = plan[ib];
+    var n_e = plan[ib + 1u];
+    var g0 = plan[ib + 2u];
+    var ng = plan[ib + 3u];
+    var erec = plan[ib + 4u];
+    var pages = plan[ib + 5u];
+    var prow0 = plan[ib + 6u];
     for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
         let r = tid + j * WG;
         if (r >= RMAX) {
@@ -356,10 +411,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         var len = 0u;
         var qo = 0u;
-        if (r < n_rows) {
-            let ie = r / ng;
-            len = plan[erec + 2u * ie + 1u];
-            qo = ((plan[erec + 2u * ie] * params.group + g0 + (r - ie * ng)) * D) / 4u;
+        if (r < n_e * ng) {
+            len = plan[erec + 2u * (r / ng) + 1u];
+            qo = row_query(r, erec, g0, ng);
         }
         row_len[r] = len;
         row_q[r] = qo;
@@ -367,9 +421,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         row_l[r] = 0.0;
         atomicStore(&row_qmax[r], 0u);
     }
-    for (var j = 0u; j < (RMAX * NPW + WG - 1u) / WG; j++) {
+    for (var j = 0u; j < (RMAX * NPW_POISON + WG - 1u) / WG; j++) {
         let x = tid + j * WG;
-        if (x >= RMAX * NPW) {
+        if (x >= RMAX * NPW_POISON) {
             break;
         }
         atomicStore(&poison[x], 0u);
@@ -379,17 +433,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (k >= BK) {
             break;
         }
-        var row = INVALID;
-        if (k < max_len) {
-            let slab = plan[pages + k / S];
-            if (slab != INVALID) {
-                // R34: HND (RH = 1) slab * slab_stride + off * TD; NHD the page's row off * RH +
-                // head, with page slab / RH and head slab % RH (as psa_partials.wgsl)
-                let page = slab / RH;
-                row = (page * RH * params.slab_stride + ((k % S) * RH + (slab - page * RH)) * TD) / 2u;
-            }
-        }
-        key_src[k] = row;
+        key_src[k] = key_row(k, max_len, pages);
     }
     if (tid == 0u) {
         q_bad = 0u;
@@ -399,9 +443,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
 
-    // 0. The first K tile's loads and the queries' loads in flight together; then each row's
-    //    largest |q| (bit patterns of non-negative floats order like the values; NaN and +-inf
-    //    lie above every finite one), then the scaled hi / lo split.
+    // 0. The first K tile's loads and the queries' loads in flight together (for a later item:
+    //    issued during the item before it)
     var t0 = vec4<u32>(0u);
     var t1 = vec4<u32>(0u);
     var t2 = vec4<u32>(0u);
@@ -410,6 +453,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var t5 = vec4<u32>(0u);
     var t6 = vec4<u32>(0u);
     var t7 = vec4<u32>(0u);
+    var q0 = vec4<f32>(0.0);
+    var q1 = vec4<f32>(0.0);
+    var q2 = vec4<f32>(0.0);
+    var q3 = vec4<f32>(0.0);
+    var q4 = vec4<f32>(0.0);
+    var q5 = vec4<f32>(0.0);
+    var q6 = vec4<f32>(0.0);
+    var q7 = vec4<f32>(0.0);
     if (max_len > 0u) {
         if (LD > 0u) { t0 = load_unit(tid + 0u * WG, 0u, 0u); }
         if (LD > 1u) { t1 = load_unit(tid + 1u * WG, 0u, 0u); }
@@ -420,607 +471,760 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (LD > 6u) { t6 = load_unit(tid + 6u * WG, 0u, 0u); }
         if (LD > 7u) { t7 = load_unit(tid + 7u * WG, 0u, 0u); }
     }
-    var q0 = vec4<f32>(0.0);
-    if (LQ > 0u) { q0 = q_load(tid + 0u * WG, n_rows); }
-    var q1 = vec4<f32>(0.0);
-    if (LQ > 1u) { q1 = q_load(tid + 1u * WG, n_rows); }
-    var q2 = vec4<f32>(0.0);
-    if (LQ > 2u) { q2 = q_load(tid + 2u * WG, n_rows); }
-    var q3 = vec4<f32>(0.0);
-    if (LQ > 3u) { q3 = q_load(tid + 3u * WG, n_rows); }
-    var q4 = vec4<f32>(0.0);
-    if (LQ > 4u) { q4 = q_load(tid + 4u * WG, n_rows); }
-    var q5 = vec4<f32>(0.0);
-    if (LQ > 5u) { q5 = q_load(tid + 5u * WG, n_rows); }
-    var q6 = vec4<f32>(0.0);
-    if (LQ > 6u) { q6 = q_load(tid + 6u * WG, n_rows); }
-    var q7 = vec4<f32>(0.0);
-    if (LQ > 7u) { q7 = q_load(tid + 7u * WG, n_rows); }
-    var qbad = false;
-    if (LQ > 0u) { qbad = qbad | q_max(tid + 0u * WG, q0); }
-    if (LQ > 1u) { qbad = qbad | q_max(tid + 1u * WG, q1); }
-    if (LQ > 2u) { qbad = qbad | q_max(tid + 2u * WG, q2); }
-    if (LQ > 3u) { qbad = qbad | q_max(tid + 3u * WG, q3); }
-    if (LQ > 4u) { qbad = qbad | q_max(tid + 4u * WG, q4); }
-    if (LQ > 5u) { qbad = qbad | q_max(tid + 5u * WG, q5); }
-    if (LQ > 6u) { qbad = qbad | q_max(tid + 6u * WG, q6); }
-    if (LQ > 7u) { qbad = qbad | q_max(tid + 7u * WG, q7); }
-    if (qbad) {
-        q_bad = 1u;
-    }
-    let item_fma = workgroupUniformLoad(&q_bad);  // (also the barrier after the maxima)
-    if (LQ > 0u) { q_split(tid + 0u * WG, q0); }
-    if (LQ > 1u) { q_split(tid + 1u * WG, q1); }
-    if (LQ > 2u) { q_split(tid + 2u * WG, q2); }
-    if (LQ > 3u) { q_split(tid + 3u * WG, q3); }
-    if (LQ > 4u) { q_split(tid + 4u * WG, q4); }
-    if (LQ > 5u) { q_split(tid + 5u * WG, q5); }
-    if (LQ > 6u) { q_split(tid + 6u * WG, q6); }
-    if (LQ > 7u) { q_split(tid + 7u * WG, q7); }
-    workgroupBarrier();
-    // the subgroup's row block of split queries, held in registers for every K tile
-    var qh0: Left;
-    var ql0: Left;
-    if (D / 16u > 0u) {
-        qh0 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 0u, SW);
-        ql0 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 0u, SW);
-    }
-    var qh1: Left;
-    var ql1: Left;
-    if (D / 16u > 1u) {
-        qh1 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 2u, SW);
-        ql1 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 2u, SW);
-    }
-    var qh2: Left;
-    var ql2: Left;
-    if (D / 16u > 2u) {
-        qh2 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 4u, SW);
-        ql2 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 4u, SW);
-    }
-    var qh3: Left;
-    var ql3: Left;
-    if (D / 16u > 3u) {
-        qh3 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 6u, SW);
-        ql3 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 6u, SW);
-    }
-    var qh4: Left;
-    var ql4: Left;
-    if (D / 16u > 4u) {
-        qh4 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 8u, SW);
-        ql4 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 8u, SW);
-    }
-    var qh5: Left;
-    var ql5: Left;
-    if (D / 16u > 5u) {
-        qh5 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 10u, SW);
-        ql5 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 10u, SW);
-    }
-    var qh6: Left;
-    var ql6: Left;
-    if (D / 16u > 6u) {
-        qh6 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 12u, SW);
-        ql6 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 12u, SW);
-    }
-    var qh7: Left;
-    var ql7: Left;
-    if (D / 16u > 7u) {
-        qh7 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 14u, SW);
-        ql7 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 14u, SW);
-    }
-    var qh8: Left;
-    var ql8: Left;
-    if (D / 16u > 8u) {
-        qh8 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 16u, SW);
-        ql8 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 16u, SW);
-    }
-    var qh9: Left;
-    var ql9: Left;
-    if (D / 16u > 9u) {
-        qh9 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 18u, SW);
-        ql9 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 18u, SW);
-    }
-    var qh10: Left;
-    var ql10: Left;
-    if (D / 16u > 10u) {
-        qh10 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 20u, SW);
-        ql10 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 20u, SW);
-    }
-    var qh11: Left;
-    var ql11: Left;
-    if (D / 16u > 11u) {
-        qh11 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 22u, SW);
-        ql11 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 22u, SW);
-    }
-    var qh12: Left;
-    var ql12: Left;
-    if (D / 16u > 12u) {
-        qh12 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 24u, SW);
-        ql12 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 24u, SW);
-    }
-    var qh13: Left;
-    var ql13: Left;
-    if (D / 16u > 13u) {
-        qh13 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 26u, SW);
-        ql13 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 26u, SW);
-    }
-    var qh14: Left;
-    var ql14: Left;
-    if (D / 16u > 14u) {
-        qh14 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 28u, SW);
-        ql14 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 28u, SW);
-    }
-    var qh15: Left;
-    var ql15: Left;
-    if (D / 16u > 15u) {
-        qh15 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 30u, SW);
-        ql15 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 30u, SW);
-    }
+    if (LQ > 0u) { q0 = q_load(tid + 0u * WG, n_e * ng); }
+    if (LQ > 1u) { q1 = q_load(tid + 1u * WG, n_e * ng); }
+    if (LQ > 2u) { q2 = q_load(tid + 2u * WG, n_e * ng); }
+    if (LQ > 3u) { q3 = q_load(tid + 3u * WG, n_e * ng); }
+    if (LQ > 4u) { q4 = q_load(tid + 4u * WG, n_e * ng); }
+    if (LQ > 5u) { q5 = q_load(tid + 5u * WG, n_e * ng); }
+    if (LQ > 6u) { q6 = q_load(tid + 6u * WG, n_e * ng); }
+    if (LQ > 7u) { q7 = q_load(tid + 7u * WG, n_e * ng); }
 
-    // 1. Scores of the block, a K tile at a time.
-    var par = 0u;
-    let nkt = (max_len + TK - 1u) / TK;  // K (and V) tiles
-    for (var it = 0u; it < nkt; it++) {
-        let k0 = it * TK;
-        var tb = false;
-        if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 0u); }
-        if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 0u); }
-        if (LD > 2u) { tb = tb | store_unit(tid + 2u * WG, t2, 0u); }
-        if (LD > 3u) { tb = tb | store_unit(tid + 3u * WG, t3, 0u); }
-        if (LD > 4u) { tb = tb | store_unit(tid + 4u * WG, t4, 0u); }
-        if (LD > 5u) { tb = tb | store_unit(tid + 5u * WG, t5, 0u); }
-        if (LD > 6u) { tb = tb | store_unit(tid + 6u * WG, t6, 0u); }
-        if (LD > 7u) { tb = tb | store_unit(tid + 7u * WG, t7, 0u); }
-        if (tb) {
-            set_flag(par);
+    let n_mine = (params.n_items - w + nwg - 1u) / nwg;  // items of this workgroup
+    for (var ii = 0u; ii < n_mine; ii++) {
+        let n_rows = n_e * ng;
+        let nxt = item + nwg;
+        let has_next = nxt < params.n_items;
+        // the next item's record: its words fly during this item's queries and scores
+        let nib = (params.item_base + select(item, nxt, has_next)) * 8u;
+        let n_max_len = plan[nib];
+        let n_ne = plan[nib + 1u];
+        let n_g0 = plan[nib + 2u];
+        let n_ng = plan[nib + 3u];
+        let n_erec = plan[nib + 4u];
+        let n_pages = plan[nib + 5u];
+        let n_prow0 = plan[nib + 6u];
+
+        // each row's largest |q| (bit patterns of non-negative floats order like the values;
+        // NaN and +-inf lie above every finite one), then the scaled hi / lo split
+        var qbad = false;
+        if (LQ > 0u) { qbad = qbad | q_max(tid + 0u * WG, q0); }
+        if (LQ > 1u) { qbad = qbad | q_max(tid + 1u * WG, q1); }
+        if (LQ > 2u) { qbad = qbad | q_max(tid + 2u * WG, q2); }
+        if (LQ > 3u) { qbad = qbad | q_max(tid + 3u * WG, q3); }
+        if (LQ > 4u) { qbad = qbad | q_max(tid + 4u * WG, q4); }
+        if (LQ > 5u) { qbad = qbad | q_max(tid + 5u * WG, q5); }
+        if (LQ > 6u) { qbad = qbad | q_max(tid + 6u * WG, q6); }
+        if (LQ > 7u) { qbad = qbad | q_max(tid + 7u * WG, q7); }
+        if (qbad) {
+            q_bad = 1u;
         }
-        var bad = 0u;
-        if (par == 0u) {
-            bad = workgroupUniformLoad(&flag0);
-        } else {
-            bad = workgroupUniformLoad(&flag1);
-        }
-        if (tid == 0u) {  // the other flag was last read a tile ago, past a barrier
-            if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
-        }
-        // the next K tile's loads (after the last one: the first V tile's) fly during this one
-        let kn = k0 + TK;
-        let nw = select(1u, 0u, kn < max_len);
-        let kl = select(0u, kn, kn < max_len);
-        if (LD > 0u) { t0 = load_unit(tid + 0u * WG, kl, nw); }
-        if (LD > 1u) { t1 = load_unit(tid + 1u * WG, kl, nw); }
-        if (LD > 2u) { t2 = load_unit(tid + 2u * WG, kl, nw); }
-        if (LD > 3u) { t3 = load_unit(tid + 3u * WG, kl, nw); }
-        if (LD > 4u) { t4 = load_unit(tid + 4u * WG, kl, nw); }
-        if (LD > 5u) { t5 = load_unit(tid + 5u * WG, kl, nw); }
-        if (LD > 6u) { t6 = load_unit(tid + 6u * WG, kl, nw); }
-        if (LD > 7u) { t7 = load_unit(tid + 7u * WG, kl, nw); }
-        if (bad == 0u && item_fma == 0u) {
-            for (var i = 0u; i < NST; i++) {
-                let kt = cb + CS * i;  // 16-key block of the tile (the row block is rb)
-                if (kt >= TK / 16u) {
-                    break;  // (subgroup-uniform: more subgroups than score tiles)
-                }
-                var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)
-                if (D / 16u > 0u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 0u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh0, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql0, b, acc);
-                }
-                if (D / 16u > 1u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 2u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh1, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql1, b, acc);
-                }
-                if (D / 16u > 2u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 4u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh2, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql2, b, acc);
-                }
-                if (D / 16u > 3u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 6u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh3, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql3, b, acc);
-                }
-                if (D / 16u > 4u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 8u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh4, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql4, b, acc);
-                }
-                if (D / 16u > 5u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 10u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh5, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql5, b, acc);
-                }
-                if (D / 16u > 6u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 12u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh6, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql6, b, acc);
-                }
-                if (D / 16u > 7u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 14u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh7, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql7, b, acc);
-                }
-                if (D / 16u > 8u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 16u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh8, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql8, b, acc);
-                }
-                if (D / 16u > 9u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 18u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh9, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql9, b, acc);
-                }
-                if (D / 16u > 10u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 20u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh10, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql10, b, acc);
-                }
-                if (D / 16u > 11u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 22u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh11, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql11, b, acc);
-                }
-                if (D / 16u > 12u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 24u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh12, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql12, b, acc);
-                }
-                if (D / 16u > 13u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 26u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh13, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql13, b, acc);
-                }
-                if (D / 16u > 14u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 28u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh14, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql14, b, acc);
-                }
-                if (D / 16u > 15u) {
-                    let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 30u, HW);
-                    acc = subgroupMatrixMultiplyAccumulate(qh15, b, acc);
-                    acc = subgroupMatrixMultiplyAccumulate(ql15, b, acc);
-                }
-                subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + k0 + kt * 16u) / 4u, acc, SW);
-            }
-        } else {
-            // f32 FMAs from the f32 query, as psa_partials.wgsl (non-finite q or K)
-            for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {
-                let x = tid + j * WG;
-                if (x >= RMAX * TK) {
-                    break;
-                }
-                let r = x / TK;
-                let k = x - r * TK;
-                var s = 0.0;
-                if (r < n_rows && k0 + k < max_len) {
-                    for (var c = 0u; c < QV; c++) {
-                        let qv = q[row_q[r] + c];
-                        let kb = k * HW * 8u + 4u * c;
-                        s += qv.x * f32(kvh(kb));
-                        s += qv.y * f32(kvh(kb + 1u));
-                        s += qv.z * f32(kvh(kb + 2u));
-                        s += qv.w * f32(kvh(kb + 3u));
-                    }
-                    s *= params.scale;
-                }
-                s_set(r, k0 + k, s);
-            }
-        }
+        let item_fma = workgroupUniformLoad(&q_bad);  // (also the barrier after the maxima)
+        if (LQ > 0u) { q_split(tid + 0u * WG, q0); }
+        if (LQ > 1u) { q_split(tid + 1u * WG, q1); }
+        if (LQ > 2u) { q_split(tid + 2u * WG, q2); }
+        if (LQ > 3u) { q_split(tid + 3u * WG, q3); }
+        if (LQ > 4u) { q_split(tid + 4u * WG, q4); }
+        if (LQ > 5u) { q_split(tid + 5u * WG, q5); }
+        if (LQ > 6u) { q_split(tid + 6u * WG, q6); }
+        if (LQ > 7u) { q_split(tid + 7u * WG, q7); }
         workgroupBarrier();
-        if (bad == 0u && item_fma == 0u) {  // undo the query scaling: s = (S' 2^-e) * scale
-            for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {
-                let x = tid + j * WG;
-                if (x >= RMAX * TK) {
-                    break;
-                }
-                let r = x / TK;
-                let k = k0 + x - r * TK;
-                s_set(r, k, (s_get(r, k) * row_down[r]) * params.scale);
-            }
+        // the subgroup's row block of split queries, held in registers for every K tile
+        var qh0: Left;
+        var ql0: Left;
+        if (D / 16u > 0u) {
+            qh0 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 0u, SW);
+            ql0 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 0u, SW);
         }
-        par = 1u - par;
-    }
-    workgroupBarrier();
+        var qh1: Left;
+        var ql1: Left;
+        if (D / 16u > 1u) {
+            qh1 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 2u, SW);
+            ql1 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 2u, SW);
+        }
+        var qh2: Left;
+        var ql2: Left;
+        if (D / 16u > 2u) {
+            qh2 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 4u, SW);
+            ql2 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 4u, SW);
+        }
+        var qh3: Left;
+        var ql3: Left;
+        if (D / 16u > 3u) {
+            qh3 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 6u, SW);
+            ql3 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 6u, SW);
+        }
+        var qh4: Left;
+        var ql4: Left;
+        if (D / 16u > 4u) {
+            qh4 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 8u, SW);
+            ql4 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 8u, SW);
+        }
+        var qh5: Left;
+        var ql5: Left;
+        if (D / 16u > 5u) {
+            qh5 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 10u, SW);
+            ql5 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 10u, SW);
+        }
+        var qh6: Left;
+        var ql6: Left;
+        if (D / 16u > 6u) {
+            qh6 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 12u, SW);
+            ql6 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 12u, SW);
+        }
+        var qh7: Left;
+        var ql7: Left;
+        if (D / 16u > 7u) {
+            qh7 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 14u, SW);
+            ql7 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 14u, SW);
+        }
+        var qh8: Left;
+        var ql8: Left;
+        if (D / 16u > 8u) {
+            qh8 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 16u, SW);
+            ql8 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 16u, SW);
+        }
+        var qh9: Left;
+        var ql9: Left;
+        if (D / 16u > 9u) {
+            qh9 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 18u, SW);
+            ql9 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 18u, SW);
+        }
+        var qh10: Left;
+        var ql10: Left;
+        if (D / 16u > 10u) {
+            qh10 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 20u, SW);
+            ql10 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 20u, SW);
+        }
+        var qh11: Left;
+        var ql11: Left;
+        if (D / 16u > 11u) {
+            qh11 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 22u, SW);
+            ql11 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 22u, SW);
+        }
+        var qh12: Left;
+        var ql12: Left;
+        if (D / 16u > 12u) {
+            qh12 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 24u, SW);
+            ql12 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 24u, SW);
+        }
+        var qh13: Left;
+        var ql13: Left;
+        if (D / 16u > 13u) {
+            qh13 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 26u, SW);
+            ql13 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 26u, SW);
+        }
+        var qh14: Left;
+        var ql14: Left;
+        if (D / 16u > 14u) {
+            qh14 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 28u, SW);
+            ql14 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 28u, SW);
+        }
+        var qh15: Left;
+        var ql15: Left;
+        if (D / 16u > 15u) {
+            qh15 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + 30u, SW);
+            ql15 = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + 30u, SW);
+        }
 
-    // 2. Softmax of the block, SL invocations per row, each NK consecutive positions: the scores
-    //    read into registers, a barrier (every row's scores read), then the split weights and
-    //    the codes written over the row's scores.
-    let sr = tid / SL;
-    let sl = tid - sr * SL;
-    let kb0 = sl * NK;
-    var kend = 0u;
-    if (sr < n_rows) {
-        kend = min(row_len[sr], max_len);
-    }
-    var sv: array<vec4<f32>, 8>;  // (NKL <= 8)
-    var lmax = 0.0;
-    var seen = false;
-    for (var j = 0u; j < NKL; j++) {
-        var v = vec4<f32>(0.0);
-        if (sr < RMAX) {
-            v = bitcast<vec4<f32>>(wmem[sr * SW + (kb0 + 4u * j) / 4u]);
-        }
-        sv[j] = v;
-        for (var c = 0u; c < 4u; c++) {
-            let k = kb0 + 4u * j + c;
-            if (k < kend && key_src[k] != INVALID) {
-                let s = v[c];
-                if (!is_ninf(s)) {
-                    lmax = select(s, nan_max(lmax, s), seen);
-                    seen = true;
+
+        // 1. Scores of the block, a K tile at a time; the query scaling is undone where the
+        //    softmax reads them (fma_tiles: the tiles whose scores came from FMAs, already final)
+        var par = 0u;
+        var fma_tiles = 0u;
+        let nkt = (max_len + TK - 1u) / TK;  // K (and V) tiles
+        for (var it = 0u; it < nkt; it++) {
+            let k0 = it * TK;
+            var tb = false;
+            if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 0u); }
+            if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 0u); }
+            if (LD > 2u) { tb = tb | store_unit(tid + 2u * WG, t2, 0u); }
+            if (LD > 3u) { tb = tb | store_unit(tid + 3u * WG, t3, 0u); }
+            if (LD > 4u) { tb = tb | store_unit(tid + 4u * WG, t4, 0u); }
+            if (LD > 5u) { tb = tb | store_unit(tid + 5u * WG, t5, 0u); }
+            if (LD > 6u) { tb = tb | store_unit(tid + 6u * WG, t6, 0u); }
+            if (LD > 7u) { tb = tb | store_unit(tid + 7u * WG, t7, 0u); }
+            if (tb) {
+                set_flag(par);
+            }
+            var bad = 0u;
+            if (par == 0u) {
+                bad = workgroupUniformLoad(&flag0);
+            } else {
+                bad = workgroupUniformLoad(&flag1);
+            }
+            if (tid == 0u) {  // the other flag was last read a tile ago, past a barrier
+                if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
+            }
+            // the next K tile's loads (after the last one: the first V tile's) fly during this one
+            let kn = k0 + TK;
+            let nw = select(1u, 0u, kn < max_len);
+            let kl = select(0u, kn, kn < max_len);
+            if (LD > 0u) { t0 = load_unit(tid + 0u * WG, kl, nw); }
+            if (LD > 1u) { t1 = load_unit(tid + 1u * WG, kl, nw); }
+            if (LD > 2u) { t2 = load_unit(tid + 2u * WG, kl, nw); }
+            if (LD > 3u) { t3 = load_unit(tid + 3u * WG, kl, nw); }
+            if (LD > 4u) { t4 = load_unit(tid + 4u * WG, kl, nw); }
+            if (LD > 5u) { t5 = load_unit(tid + 5u * WG, kl, nw); }
+            if (LD > 6u) { t6 = load_unit(tid + 6u * WG, kl, nw); }
+            if (LD > 7u) { t7 = load_unit(tid + 7u * WG, kl, nw); }
+            if (bad == 0u && item_fma == 0u) {
+                for (var i = 0u; i < NST; i++) {
+                    let kt = cb + CS * i;  // 16-key block of the tile (the row block is rb)
+                    if (kt >= TK / 16u) {
+                        break;  // (subgroup-uniform: more subgroups than score tiles)
+                    }
+                    var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)
+                    if (D / 16u > 0u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 0u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh0, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql0, b, acc);
+                    }
+                    if (D / 16u > 1u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 2u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh1, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql1, b, acc);
+                    }
+                    if (D / 16u > 2u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 4u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh2, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql2, b, acc);
+                    }
+                    if (D / 16u > 3u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 6u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh3, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql3, b, acc);
+                    }
+                    if (D / 16u > 4u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 8u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh4, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql4, b, acc);
+                    }
+                    if (D / 16u > 5u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 10u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh5, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql5, b, acc);
+                    }
+                    if (D / 16u > 6u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 12u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh6, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql6, b, acc);
+                    }
+                    if (D / 16u > 7u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 14u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh7, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql7, b, acc);
+                    }
+                    if (D / 16u > 8u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 16u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh8, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql8, b, acc);
+                    }
+                    if (D / 16u > 9u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 18u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh9, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql9, b, acc);
+                    }
+                    if (D / 16u > 10u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 20u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh10, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql10, b, acc);
+                    }
+                    if (D / 16u > 11u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 22u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh11, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql11, b, acc);
+                    }
+                    if (D / 16u > 12u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 24u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh12, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql12, b, acc);
+                    }
+                    if (D / 16u > 13u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 26u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh13, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql13, b, acc);
+                    }
+                    if (D / 16u > 14u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 28u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh14, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql14, b, acc);
+                    }
+                    if (D / 16u > 15u) {
+                        let b = subgroupMatrixLoad<Right, col_major>(&wmem, KVW + kt * 16u * HW + 30u, HW);
+                        acc = subgroupMatrixMultiplyAccumulate(qh15, b, acc);
+                        acc = subgroupMatrixMultiplyAccumulate(ql15, b, acc);
+                    }
+                    subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + k0 + kt * 16u) / 4u, acc, SW);
+                }
+            } else {
+                // f32 FMAs from the f32 query, as psa_partials.wgsl (non-finite q or K)
+                for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {
+                    let x = tid + j * WG;
+                    if (x >= RMAX * TK) {
+                        break;
+                    }
+                    let r = x / TK;
+                    let k = x - r * TK;
+                    var s = 0.0;
+                    if (r < n_rows && k0 + k < max_len) {
+                        for (var c = 0u; c < QV; c++) {
+                            let qv = q[row_q[r] + c];
+                            let kb = k * HW * 8u + 4u * c;
+                            s += qv.x * f32(kvh(kb));
+                            s += qv.y * f32(kvh(kb + 1u));
+                            s += qv.z * f32(kvh(kb + 2u));
+                            s += qv.w * f32(kvh(kb + 3u));
+                        }
+                        s *= params.scale;
+                    }
+                    s_set(r, k0 + k, s);
                 }
             }
+            if (bad != 0u || item_fma != 0u) {
+                fma_tiles |= 1u << it;
+            }
+            workgroupBarrier();  // (the tile is overwritten next; the scores are read by the softmax)
+            par = 1u - par;
         }
-    }
-    var m_new = lmax;
-    var found = seen;
-    for (var j = 0u; j < 5u; j++) {
-        let o = (SL / 2u) >> j;
-        if (o == 0u) {
-            break;
+
+        // the next item's rows and page list (stored when this item is done), and the cache rows
+        // and query rows of the units this invocation loads for it: loads in flight during the
+        // softmax (RMAX <= WG / 2 rows and BK <= 2 WG positions: the host's geometries)
+        var n_len = 0u;
+        var n_qo = 0u;
+        var n_row0 = INVALID;
+        var n_row1 = INVALID;
+        var nk0 = INVALID;
+        var nk1 = INVALID;
+        var nk2 = INVALID;
+        var nk3 = INVALID;
+        var nk4 = INVALID;
+        var nk5 = INVALID;
+        var nk6 = INVALID;
+        var nk7 = INVALID;
+        var nq0 = INVALID;
+        var nq1 = INVALID;
+        var nq2 = INVALID;
+        var nq3 = INVALID;
+        var nq4 = INVALID;
+        var nq5 = INVALID;
+        var nq6 = INVALID;
+        var nq7 = INVALID;
+        if (has_next) {
+            let n_rows_next = n_ne * n_ng;
+            if (tid < RMAX && tid < n_rows_next) {
+                n_len = plan[n_erec + 2u * (tid / n_ng) + 1u];
+                n_qo = row_query(tid, n_erec, n_g0, n_ng);
+            }
+            if (tid < BK) {
+                n_row0 = key_row(tid, n_max_len, n_pages);
+            }
+            if (tid + WG < BK) {
+                n_row1 = key_row(tid + WG, n_max_len, n_pages);
+            }
+            if (LD > 0u) { nk0 = key_row((tid + 0u * WG) / D8, n_max_len, n_pages); }
+            if (LD > 1u) { nk1 = key_row((tid + 1u * WG) / D8, n_max_len, n_pages); }
+            if (LD > 2u) { nk2 = key_row((tid + 2u * WG) / D8, n_max_len, n_pages); }
+            if (LD > 3u) { nk3 = key_row((tid + 3u * WG) / D8, n_max_len, n_pages); }
+            if (LD > 4u) { nk4 = key_row((tid + 4u * WG) / D8, n_max_len, n_pages); }
+            if (LD > 5u) { nk5 = key_row((tid + 5u * WG) / D8, n_max_len, n_pages); }
+            if (LD > 6u) { nk6 = key_row((tid + 6u * WG) / D8, n_max_len, n_pages); }
+            if (LD > 7u) { nk7 = key_row((tid + 7u * WG) / D8, n_max_len, n_pages); }
+            if (LQ > 0u) { nq0 = select(INVALID, row_query((tid + 0u * WG) / QV, n_erec, n_g0, n_ng), (tid + 0u * WG) / QV < n_rows_next); }
+            if (LQ > 1u) { nq1 = select(INVALID, row_query((tid + 1u * WG) / QV, n_erec, n_g0, n_ng), (tid + 1u * WG) / QV < n_rows_next); }
+            if (LQ > 2u) { nq2 = select(INVALID, row_query((tid + 2u * WG) / QV, n_erec, n_g0, n_ng), (tid + 2u * WG) / QV < n_rows_next); }
+            if (LQ > 3u) { nq3 = select(INVALID, row_query((tid + 3u * WG) / QV, n_erec, n_g0, n_ng), (tid + 3u * WG) / QV < n_rows_next); }
+            if (LQ > 4u) { nq4 = select(INVALID, row_query((tid + 4u * WG) / QV, n_erec, n_g0, n_ng), (tid + 4u * WG) / QV < n_rows_next); }
+            if (LQ > 5u) { nq5 = select(INVALID, row_query((tid + 5u * WG) / QV, n_erec, n_g0, n_ng), (tid + 5u * WG) / QV < n_rows_next); }
+            if (LQ > 6u) { nq6 = select(INVALID, row_query((tid + 6u * WG) / QV, n_erec, n_g0, n_ng), (tid + 6u * WG) / QV < n_rows_next); }
+            if (LQ > 7u) { nq7 = select(INVALID, row_query((tid + 7u * WG) / QV, n_erec, n_g0, n_ng), (tid + 7u * WG) / QV < n_rows_next); }
         }
-        let mo = subgroupShuffleXor(m_new, o);
-        let fo = subgroupShuffleXor(select(0u, 1u, found), o) != 0u;
-        m_new = select(select(m_new, mo, fo), nan_max(m_new, mo), found && fo);
-        found = found || fo;
-    }
-    workgroupBarrier();  // every row's scores are in registers: the weights may overwrite them
-    var psum = 0.0;
-    var enters = 0u;  // bit k % 32: position k's weight enters (attended, not removed)
-    var zero = 0u;    // bit k % 32: its weight is 0 (exp underflowed)
-    for (var jw = 0u; jw < NKL / 2u; jw++) {  // a word of weights: 8 positions
-        let j = 2u * jw;
-        var hw = vec4<u32>(0u);
-        var lw = vec4<u32>(0u);
-        for (var t = 0u; t < 2u; t++) {
-            var ph = vec4<f32>(0.0);
-            var pl = vec4<f32>(0.0);
+
+        // 2. Softmax of the block, SL invocations per row, each NK consecutive positions: the
+        //    scores read into registers (the query scaling undone: s = (S' 2^-e) * scale, as
+        //    the FMA kernel's s = (q . k) * scale is final), a barrier (every row's scores read),
+        //    then the split weights and the codes written over the row's scores.
+        let sr = tid / SL;
+        let sl = tid - sr * SL;
+        let kb0 = sl * NK;
+        var kend = 0u;
+        if (sr < n_rows) {
+            kend = min(row_len[sr], max_len);
+        }
+        let down = row_down[sr];
+        var sv: array<vec4<f32>, 8>;  // (NKL <= 8)
+        var okm = 0u;  // bit 4 j + c: position kb0 + 4 j + c is attended and readable
+        var lmax = 0.0;
+        var seen = false;
+        for (var j = 0u; j < NKL; j++) {
+            var v = vec4<f32>(0.0);
+            if (sr < RMAX) {
+                v = bitcast<vec4<f32>>(wmem[sr * SW + (kb0 + 4u * j) / 4u]);
+            }
+            if (((fma_tiles >> ((kb0 + 4u * j) / TK)) & 1u) == 0u) {
+                v = (v * down) * params.scale;
+            }
+            sv[j] = v;
             for (var c = 0u; c < 4u; c++) {
-                let k = kb0 + 4u * (j + t) + c;
-                var p = 0.0;
+                let k = kb0 + 4u * j + c;
                 if (k < kend && key_src[k] != INVALID) {
-                    let sc = sv[j + t][c];
-                    p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
-                }
-                if (!is_removed(p)) {
-                    psum += p;  // (a NaN p stays in the sum)
-                }
-                if (k < kend && key_src[k] != INVALID && !is_removed(p)) {
-                    enters |= 1u << (k % 32u);
-                    if (p == 0.0) {
-                        zero |= 1u << (k % 32u);
+                    okm |= 1u << (4u * j + c);
+                    let s = v[c];
+                    if (!is_ninf(s)) {
+                        lmax = select(s, nan_max(lmax, s), seen);
+                        seen = true;
                     }
                 }
-                // the weight as the split P hi + P lo of step 3: a removed weight and a NaN row's
-                // (its o is made NaN at the end) enter the product as 0
-                var pm = p;
-                if (is_nan(p) || is_removed(p)) {
-                    pm = 0.0;
-                }
-                let h = hi11(vec4<f32>(pm, 0.0, 0.0, 0.0)).x;
-                ph[c] = h;
-                pl[c] = pm - h;
             }
-            let h16 = vec4<f16>(ph);
-            let l16 = vec4<f16>(pl);
-            hw[2u * t] = bitcast<u32>(h16.xy);
-            hw[2u * t + 1u] = bitcast<u32>(h16.zw);
-            lw[2u * t] = bitcast<u32>(l16.xy);
-            lw[2u * t + 1u] = bitcast<u32>(l16.zw);
         }
-        if (sr < RMAX) {
-            wmem[sr * SW + (kb0 + 4u * j) / 8u] = hw;
-            wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;
+        var m_new = lmax;
+        var found = seen;
+        for (var j = 0u; j < 5u; j++) {
+            let o = (SL / 2u) >> j;
+            if (o == 0u) {
+                break;
+            }
+            let mo = subgroupShuffleXor(m_new, o);
+            let fo = subgroupShuffleXor(select(0u, 1u, found), o) != 0u;
+            m_new = select(select(m_new, mo, fo), nan_max(m_new, mo), found && fo);
+            found = found || fo;
         }
-    }
-    for (var j = 0u; j < 5u; j++) {
-        let o = (SL / 2u) >> j;
-        if (o == 0u) {
-            break;
-        }
-        psum += subgroupShuffleXor(psum, o);
-    }
-    // the codes: the CG invocations whose positions share a u32 (consecutive lanes of the row)
-    // combine their bits, and the first of them writes it: component (k % 128) / 32 of word
-    // k / 128 after P hi (P lo)
-    for (var j = 0u; j < 5u; j++) {
-        let o = (CG / 2u) >> j;
-        if (o == 0u) {
-            break;  // (uniform: o depends on constants only)
-        }
-        enters |= subgroupShuffleXor(enters, o);
-        zero |= subgroupShuffleXor(zero, o);
-    }
-    if (sr < RMAX && sl % CG == 0u) {
-        let cw = max(D, BK) / 8u + kb0 / 128u;
-        wmem[sr * SW + cw][(kb0 % 128u) / 32u] = enters;
-        wmem[sr * SW + PW + cw][(kb0 % 128u) / 32u] = zero;
-    }
-    if (sr < n_rows && sl == 0u && found) {
-        row_m[sr] = m_new;
-        row_l[sr] = psum;
-    }
-
-    // 3. o += P V, a V tile at a time; accumulators in registers.
-    var acc0: subgroup_matrix_result<f32, 16, 16>;
-    var acc1: subgroup_matrix_result<f32, 16, 16>;
-    var acc2: subgroup_matrix_result<f32, 16, 16>;
-    var acc3: subgroup_matrix_result<f32, 16, 16>;
-    var acc4: subgroup_matrix_result<f32, 16, 16>;
-    var acc5: subgroup_matrix_result<f32, 16, 16>;
-    var acc6: subgroup_matrix_result<f32, 16, 16>;
-    var acc7: subgroup_matrix_result<f32, 16, 16>;
-    for (var it = 0u; it < nkt; it++) {
-        let k0 = it * TK;
-        var tb = false;
-        if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 1u); }
-        if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 1u); }
-        if (LD > 2u) { tb = tb | store_unit(tid + 2u * WG, t2, 1u); }
-        if (LD > 3u) { tb = tb | store_unit(tid + 3u * WG, t3, 1u); }
-        if (LD > 4u) { tb = tb | store_unit(tid + 4u * WG, t4, 1u); }
-        if (LD > 5u) { tb = tb | store_unit(tid + 5u * WG, t5, 1u); }
-        if (LD > 6u) { tb = tb | store_unit(tid + 6u * WG, t6, 1u); }
-        if (LD > 7u) { tb = tb | store_unit(tid + 7u * WG, t7, 1u); }
-        if (tb) {
-            set_flag(par);
-        }
-        var bad = 0u;
-        if (par == 0u) {
-            bad = workgroupUniformLoad(&flag0);
-        } else {
-            bad = workgroupUniformLoad(&flag1);
-        }
-        if (tid == 0u) {
-            if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
-        }
-        if (k0 + TK < max_len) {  // the next V tile's loads fly during this one
-            if (LD > 0u) { t0 = load_unit(tid + 0u * WG, k0 + TK, 1u); }
-            if (LD > 1u) { t1 = load_unit(tid + 1u * WG, k0 + TK, 1u); }
-            if (LD > 2u) { t2 = load_unit(tid + 2u * WG, k0 + TK, 1u); }
-            if (LD > 3u) { t3 = load_unit(tid + 3u * WG, k0 + TK, 1u); }
-            if (LD > 4u) { t4 = load_unit(tid + 4u * WG, k0 + TK, 1u); }
-            if (LD > 5u) { t5 = load_unit(tid + 5u * WG, k0 + TK, 1u); }
-            if (LD > 6u) { t6 = load_unit(tid + 6u * WG, k0 + TK, 1u); }
-            if (LD > 7u) { t7 = load_unit(tid + 7u * WG, k0 + TK, 1u); }
-        }
-        if (bad != 0u) {
-            // NaN / +-inf values of the tile: mark the (row, d) of every attended, not removed
-            // pair, reading the value again from the cache (the staged tile holds 0 there)
-            for (var x = tid; x < TK * D; x += WG) {  // rolled: a rare path (unrolled, it costs registers)
-                let k = x / D;
-                let d = x - k * D;
-                let row = key_src[k0 + k];
-                if (row != INVALID) {
-                    let w = v_cache[row + d / 8u][(d % 8u) / 2u];
-                    let h = (w >> (16u * (d % 2u))) & 0xffffu;
-                    if ((h & 0x7c00u) == 0x7c00u) {
-                        var cls = 3u;  // NaN: both bits
-                        if ((h & 0x3ffu) == 0u) {
-                            cls = select(1u, 2u, (h & 0x8000u) != 0u);  // +inf: bit 0, -inf: bit 1
+        workgroupBarrier();  // every row's scores are in registers: the weights may overwrite them
+        var psum = 0.0;
+        var enters = 0u;  // bit k % 32: position k's weight enters (attended, not removed)
+        var zero = 0u;    // bit k % 32: its weight is 0 (exp underflowed)
+        for (var jw = 0u; jw < NKL / 2u; jw++) {  // a word of weights: 8 positions
+            let j = 2u * jw;
+            var hw = vec4<u32>(0u);
+            var lw = vec4<u32>(0u);
+            for (var t = 0u; t < 2u; t++) {
+                var ph = vec4<f32>(0.0);
+                var pl = vec4<f32>(0.0);
+                for (var c = 0u; c < 4u; c++) {
+                    let k = kb0 + 4u * (j + t) + c;
+                    var p = 0.0;
+                    let ok = ((okm >> (4u * (j + t) + c)) & 1u) != 0u;
+                    if (ok) {
+                        let sc = sv[j + t][c];
+                        p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
+                    }
+                    if (!is_removed(p)) {
+                        psum += p;  // (a NaN p stays in the sum)
+                    }
+                    if (ok && !is_removed(p)) {
+                        enters |= 1u << (k % 32u);
+                        if (p == 0.0) {
+                            zero |= 1u << (k % 32u);
                         }
-                        for (var r = 0u; r < n_rows; r++) {  // rolled: a rare path (as above)
-                            if (k0 + k < min(row_len[r], max_len)) {
-                                let kk = k0 + k;
-                                let cw = r * SW + max(D, BK) / 8u + kk / 128u;  // (step 2's codes)
-                                let bit = 1u << (kk % 32u);
-                                if ((wmem[cw][(kk % 128u) / 32u] & bit) != 0u) {
-                                    let z = (wmem[cw + PW][(kk % 128u) / 32u] & bit) != 0u;
-                                    // 0 * inf = NaN (a weight that underflowed)
-                                    let c = select(cls, 3u, z);
-                                    atomicOr(&poison[r * NPW + d / 16u], c << (2u * (d % 16u)));
-                                    poisoned = 1u;
+                    }
+                    // the weight as the split P hi + P lo of step 3: a removed weight and a NaN row's
+                    // (its o is made NaN at the end) enter the product as 0
+                    var pm = p;
+                    if (is_nan(p) || is_removed(p)) {
+                        pm = 0.0;
+                    }
+                    let h = hi11(vec4<f32>(pm, 0.0, 0.0, 0.0)).x;
+                    ph[c] = h;
+                    pl[c] = pm - h;
+                }
+                let h16 = vec4<f16>(ph);
+                let l16 = vec4<f16>(pl);
+                hw[2u * t] = bitcast<u32>(h16.xy);
+                hw[2u * t + 1u] = bitcast<u32>(h16.zw);
+                lw[2u * t] = bitcast<u32>(l16.xy);
+                lw[2u * t + 1u] = bitcast<u32>(l16.zw);
+            }
+            if (sr < RMAX) {
+                wmem[sr * SW + (kb0 + 4u * j) / 8u] = hw;
+                wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;
+            }
+        }
+        for (var j = 0u; j < 5u; j++) {
+            let o = (SL / 2u) >> j;
+            if (o == 0u) {
+                break;
+            }
+            psum += subgroupShuffleXor(psum, o);
+        }
+        // the codes: the CG invocations whose positions share a u32 (consecutive lanes of the row)
+        // combine their bits, and the first of them writes it: component (k % 128) / 32 of word
+        // k / 128 after P hi (P lo)
+        for (var j = 0u; j < 5u; j++) {
+            let o = (CG / 2u) >> j;
+            if (o == 0u) {
+                break;  // (uniform: o depends on constants only)
+            }
+            enters |= subgroupShuffleXor(enters, o);
+            zero |= subgroupShuffleXor(zero, o);
+        }
+        if (sr < RMAX && sl % CG == 0u) {
+            let cw = max(D, BK) / 8u + kb0 / 128u;
+            wmem[sr * SW + cw][(kb0 % 128u) / 32u] = enters;
+            wmem[sr * SW + PW + cw][(kb0 % 128u) / 32u] = zero;
+        }
+        if (sr < n_rows && sl == 0u && found) {
+            row_m[sr] = m_new;
+            row_l[sr] = psum;
+        }
+
+
+
+        // 3. o += P V, a V tile at a time; accumulators in registers. During the last V tile
+        //    the next item's first K tile and its queries are loaded.
+        var acc0 = Result();  // (zero: explicitly, every item)
+        var acc1 = Result();  // (zero: explicitly, every item)
+        var acc2 = Result();  // (zero: explicitly, every item)
+        var acc3 = Result();  // (zero: explicitly, every item)
+        var acc4 = Result();  // (zero: explicitly, every item)
+        var acc5 = Result();  // (zero: explicitly, every item)
+        var acc6 = Result();  // (zero: explicitly, every item)
+        var acc7 = Result();  // (zero: explicitly, every item)
+        var next_loaded = false;
+        for (var it = 0u; it < nkt; it++) {
+            let k0 = it * TK;
+            var tb = false;
+            if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 1u); }
+            if (LD > 1u) { tb = tb | store_unit(tid + 1u * WG, t1, 1u); }
+            if (LD > 2u) { tb = tb | store_unit(tid + 2u * WG, t2, 1u); }
+            if (LD > 3u) { tb = tb | store_unit(tid + 3u * WG, t3, 1u); }
+            if (LD > 4u) { tb = tb | store_unit(tid + 4u * WG, t4, 1u); }
+            if (LD > 5u) { tb = tb | store_unit(tid + 5u * WG, t5, 1u); }
+            if (LD > 6u) { tb = tb | store_unit(tid + 6u * WG, t6, 1u); }
+            if (LD > 7u) { tb = tb | store_unit(tid + 7u * WG, t7, 1u); }
+            if (tb) {
+                set_flag(par);
+            }
+            var bad = 0u;
+            if (par == 0u) {
+                bad = workgroupUniformLoad(&flag0);
+            } else {
+                bad = workgroupUniformLoad(&flag1);
+            }
+            if (tid == 0u) {
+                if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
+            }
+            if (k0 + TK < max_len) {  // the next V tile's loads fly during this one
+                if (LD > 0u) { t0 = load_unit(tid + 0u * WG, k0 + TK, 1u); }
+                if (LD > 1u) { t1 = load_unit(tid + 1u * WG, k0 + TK, 1u); }
+                if (LD > 2u) { t2 = load_unit(tid + 2u * WG, k0 + TK, 1u); }
+                if (LD > 3u) { t3 = load_unit(tid + 3u * WG, k0 + TK, 1u); }
+                if (LD > 4u) { t4 = load_unit(tid + 4u * WG, k0 + TK, 1u); }
+                if (LD > 5u) { t5 = load_unit(tid + 5u * WG, k0 + TK, 1u); }
+                if (LD > 6u) { t6 = load_unit(tid + 6u * WG, k0 + TK, 1u); }
+                if (LD > 7u) { t7 = load_unit(tid + 7u * WG, k0 + TK, 1u); }
+            } else if (has_next) {  // the next item's first K tile and queries
+                if (LD > 0u) { t0 = load_unit_at(tid + 0u * WG, nk0); }
+                if (LD > 1u) { t1 = load_unit_at(tid + 1u * WG, nk1); }
+                if (LD > 2u) { t2 = load_unit_at(tid + 2u * WG, nk2); }
+                if (LD > 3u) { t3 = load_unit_at(tid + 3u * WG, nk3); }
+                if (LD > 4u) { t4 = load_unit_at(tid + 4u * WG, nk4); }
+                if (LD > 5u) { t5 = load_unit_at(tid + 5u * WG, nk5); }
+                if (LD > 6u) { t6 = load_unit_at(tid + 6u * WG, nk6); }
+                if (LD > 7u) { t7 = load_unit_at(tid + 7u * WG, nk7); }
+                if (LQ > 0u) { q0 = q_load_at(tid + 0u * WG, nq0); }
+                if (LQ > 1u) { q1 = q_load_at(tid + 1u * WG, nq1); }
+                if (LQ > 2u) { q2 = q_load_at(tid + 2u * WG, nq2); }
+                if (LQ > 3u) { q3 = q_load_at(tid + 3u * WG, nq3); }
+                if (LQ > 4u) { q4 = q_load_at(tid + 4u * WG, nq4); }
+                if (LQ > 5u) { q5 = q_load_at(tid + 5u * WG, nq5); }
+                if (LQ > 6u) { q6 = q_load_at(tid + 6u * WG, nq6); }
+                if (LQ > 7u) { q7 = q_load_at(tid + 7u * WG, nq7); }
+                next_loaded = true;
+            }
+            if (bad != 0u) {
+                // NaN / +-inf values of the tile: mark the (row, d) of every attended, not removed
+                // pair, reading the value again from the cache (the staged tile holds 0 there)
+                for (var x = tid; x < TK * D; x += WG) {  // rolled: a rare path (unrolled, it costs registers)
+                    let k = x / D;
+                    let d = x - k * D;
+                    let row = key_src[k0 + k];
+                    if (row != INVALID) {
+                        let w = v_cache[row + d / 8u][(d % 8u) / 2u];
+                        let h = (w >> (16u * (d % 2u))) & 0xffffu;
+                        if ((h & 0x7c00u) == 0x7c00u) {
+                            var cls = 3u;  // NaN: both bits
+                            if ((h & 0x3ffu) == 0u) {
+                                cls = select(1u, 2u, (h & 0x8000u) != 0u);  // +inf: bit 0, -inf: bit 1
+                            }
+                            for (var r = 0u; r < n_rows; r++) {  // rolled: a rare path (as above)
+                                if (k0 + k < min(row_len[r], max_len)) {
+                                    let kk = k0 + k;
+                                    let cw = r * SW + max(D, BK) / 8u + kk / 128u;  // (step 2's codes)
+                                    let bit = 1u << (kk % 32u);
+                                    if ((wmem[cw][(kk % 128u) / 32u] & bit) != 0u) {
+                                        let z = (wmem[cw + PW][(kk % 128u) / 32u] & bit) != 0u;
+                                        // 0 * inf = NaN (a weight that underflowed)
+                                        let c = select(cls, 3u, z);
+                                        atomicOr(&poison[r * NPW_POISON + d / 16u], c << (2u * (d % 16u)));
+                                        poisoned = 1u;
+                                    }
                                 }
                             }
                         }
                     }
                 }
             }
+            for (var j = 0u; j < TK / 16u; j++) {
+                let kk = 16u * j;
+                let ah = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + (k0 + kk) / 8u, SW);
+                let al = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + (k0 + kk) / 8u, SW);
+                if (NDT > 0u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 0u) * 2u, HW);
+                    acc0 = subgroupMatrixMultiplyAccumulate(ah, b, acc0);
+                    acc0 = subgroupMatrixMultiplyAccumulate(al, b, acc0);
+                }
+                if (NDT > 1u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 1u) * 2u, HW);
+                    acc1 = subgroupMatrixMultiplyAccumulate(ah, b, acc1);
+                    acc1 = subgroupMatrixMultiplyAccumulate(al, b, acc1);
+                }
+                if (NDT > 2u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 2u) * 2u, HW);
+                    acc2 = subgroupMatrixMultiplyAccumulate(ah, b, acc2);
+                    acc2 = subgroupMatrixMultiplyAccumulate(al, b, acc2);
+                }
+                if (NDT > 3u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 3u) * 2u, HW);
+                    acc3 = subgroupMatrixMultiplyAccumulate(ah, b, acc3);
+                    acc3 = subgroupMatrixMultiplyAccumulate(al, b, acc3);
+                }
+                if (NDT > 4u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 4u) * 2u, HW);
+                    acc4 = subgroupMatrixMultiplyAccumulate(ah, b, acc4);
+                    acc4 = subgroupMatrixMultiplyAccumulate(al, b, acc4);
+                }
+                if (NDT > 5u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 5u) * 2u, HW);
+                    acc5 = subgroupMatrixMultiplyAccumulate(ah, b, acc5);
+                    acc5 = subgroupMatrixMultiplyAccumulate(al, b, acc5);
+                }
+                if (NDT > 6u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 6u) * 2u, HW);
+                    acc6 = subgroupMatrixMultiplyAccumulate(ah, b, acc6);
+                    acc6 = subgroupMatrixMultiplyAccumulate(al, b, acc6);
+                }
+                if (NDT > 7u) {
+                    let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 7u) * 2u, HW);
+                    acc7 = subgroupMatrixMultiplyAccumulate(ah, b, acc7);
+                    acc7 = subgroupMatrixMultiplyAccumulate(al, b, acc7);
+                }
+            }
+            workgroupBarrier();
+            par = 1u - par;
         }
-        for (var j = 0u; j < TK / 16u; j++) {
-            let kk = 16u * j;
-            let ah = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + (k0 + kk) / 8u, SW);
-            let al = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + (k0 + kk) / 8u, SW);
-            if (NDT > 0u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 0u) * 2u, HW);
-                acc0 = subgroupMatrixMultiplyAccumulate(ah, b, acc0);
-                acc0 = subgroupMatrixMultiplyAccumulate(al, b, acc0);
-            }
-            if (NDT > 1u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 1u) * 2u, HW);
-                acc1 = subgroupMatrixMultiplyAccumulate(ah, b, acc1);
-                acc1 = subgroupMatrixMultiplyAccumulate(al, b, acc1);
-            }
-            if (NDT > 2u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 2u) * 2u, HW);
-                acc2 = subgroupMatrixMultiplyAccumulate(ah, b, acc2);
-                acc2 = subgroupMatrixMultiplyAccumulate(al, b, acc2);
-            }
-            if (NDT > 3u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 3u) * 2u, HW);
-                acc3 = subgroupMatrixMultiplyAccumulate(ah, b, acc3);
-                acc3 = subgroupMatrixMultiplyAccumulate(al, b, acc3);
-            }
-            if (NDT > 4u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 4u) * 2u, HW);
-                acc4 = subgroupMatrixMultiplyAccumulate(ah, b, acc4);
-                acc4 = subgroupMatrixMultiplyAccumulate(al, b, acc4);
-            }
-            if (NDT > 5u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 5u) * 2u, HW);
-                acc5 = subgroupMatrixMultiplyAccumulate(ah, b, acc5);
-                acc5 = subgroupMatrixMultiplyAccumulate(al, b, acc5);
-            }
-            if (NDT > 6u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 6u) * 2u, HW);
-                acc6 = subgroupMatrixMultiplyAccumulate(ah, b, acc6);
-                acc6 = subgroupMatrixMultiplyAccumulate(al, b, acc6);
-            }
-            if (NDT > 7u) {
-                let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 7u) * 2u, HW);
-                acc7 = subgroupMatrixMultiplyAccumulate(ah, b, acc7);
-                acc7 = subgroupMatrixMultiplyAccumulate(al, b, acc7);
-            }
+        if (has_next && !next_loaded) {  // (an item without positions: no V tile)
+            if (LD > 0u) { t0 = load_unit_at(tid + 0u * WG, nk0); }
+            if (LD > 1u) { t1 = load_unit_at(tid + 1u * WG, nk1); }
+            if (LD > 2u) { t2 = load_unit_at(tid + 2u * WG, nk2); }
+            if (LD > 3u) { t3 = load_unit_at(tid + 3u * WG, nk3); }
+            if (LD > 4u) { t4 = load_unit_at(tid + 4u * WG, nk4); }
+            if (LD > 5u) { t5 = load_unit_at(tid + 5u * WG, nk5); }
+            if (LD > 6u) { t6 = load_unit_at(tid + 6u * WG, nk6); }
+            if (LD > 7u) { t7 = load_unit_at(tid + 7u * WG, nk7); }
+            if (LQ > 0u) { q0 = q_load_at(tid + 0u * WG, nq0); }
+            if (LQ > 1u) { q1 = q_load_at(tid + 1u * WG, nq1); }
+            if (LQ > 2u) { q2 = q_load_at(tid + 2u * WG, nq2); }
+            if (LQ > 3u) { q3 = q_load_at(tid + 3u * WG, nq3); }
+            if (LQ > 4u) { q4 = q_load_at(tid + 4u * WG, nq4); }
+            if (LQ > 5u) { q5 = q_load_at(tid + 5u * WG, nq5); }
+            if (LQ > 6u) { q6 = q_load_at(tid + 6u * WG, nq6); }
+            if (LQ > 7u) { q7 = q_load_at(tid + 7u * WG, nq7); }
+        }
+
+        // 4. o through the words (rows past n_rows belong to no partial row).
+        if (NDT > 0u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 0u) * 16u) / 4u, acc0, SW);
+        }
+        if (NDT > 1u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 1u) * 16u) / 4u, acc1, SW);
+        }
+        if (NDT > 2u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 2u) * 16u) / 4u, acc2, SW);
+        }
+        if (NDT > 3u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 3u) * 16u) / 4u, acc3, SW);
+        }
+        if (NDT > 4u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 4u) * 16u) / 4u, acc4, SW);
+        }
+        if (NDT > 5u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 5u) * 16u) / 4u, acc5, SW);
+        }
+        if (NDT > 6u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 6u) * 16u) / 4u, acc6, SW);
+        }
+        if (NDT > 7u) {
+            subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 7u) * 16u) / 4u, acc7, SW);
         }
         workgroupBarrier();
-        par = 1u - par;
-    }
-
-    // 4. o through the words (rows past n_rows belong to no partial row).
-    if (NDT > 0u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 0u) * 16u) / 4u, acc0, SW);
-    }
-    if (NDT > 1u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 1u) * 16u) / 4u, acc1, SW);
-    }
-    if (NDT > 2u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 2u) * 16u) / 4u, acc2, SW);
-    }
-    if (NDT > 3u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 3u) * 16u) / 4u, acc3, SW);
-    }
-    if (NDT > 4u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 4u) * 16u) / 4u, acc4, SW);
-    }
-    if (NDT > 5u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 5u) * 16u) / 4u, acc5, SW);
-    }
-    if (NDT > 6u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 6u) * 16u) / 4u, acc6, SW);
-    }
-    if (NDT > 7u) {
-        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 7u) * 16u) / 4u, acc7, SW);
-    }
-    workgroupBarrier();
-    let any_poison = poisoned != 0u;
-    for (var j = 0u; j < (RMAX * D + WG - 1u) / WG; j++) {
-        let x = tid + j * WG;
-        if (x >= n_rows * D) {
-            break;
-        }
-        let r = x / D;
-        let d = x - r * D;
-        var o = s_get(r, d);
-        if (any_poison) {
-            let c = (atomicLoad(&poison[r * NPW + d / 16u]) >> (2u * (d % 16u))) & 3u;
-            if (c == 3u) {
-                o = bitcast<f32>(NAN_BITS);
-            } else if (c == 1u) {
-                o = bitcast<f32>(INF_BITS);
-            } else if (c == 2u) {
-                o = bitcast<f32>(MINF_BITS);
+        let any_poison = poisoned != 0u;
+        for (var j = 0u; j < (RMAX * D + WG - 1u) / WG; j++) {
+            let x = tid + j * WG;
+            if (x >= n_rows * D) {
+                break;
             }
+            let r = x / D;
+            let d = x - r * D;
+            var o = s_get(r, d);
+            if (any_poison) {
+                let c = (atomicLoad(&poison[r * NPW_POISON + d / 16u]) >> (2u * (d % 16u))) & 3u;
+                if (c == 3u) {
+                    o = bitcast<f32>(NAN_BITS);
+                } else if (c == 1u) {
+                    o = bitcast<f32>(INF_BITS);
+                } else if (c == 2u) {
+                    o = bitcast<f32>(MINF_BITS);
+                }
+            }
+            if (is_nan(row_l[r])) {
+                o = bitcast<f32>(NAN_BITS);
+            }
+            o_out[(prow0 + r) * D + d] = o;
         }
-        if (is_nan(row_l[r])) {
-            o = bitcast<f32>(NAN_BITS);
+        for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
+            let r = tid + j * WG;
+            if (r >= n_rows) {
+                break;
+            }
+            ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);
         }
-        o_out[(prow0 + r) * D + d] = o;
-    }
-    for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
-        let r = tid + j * WG;
-        if (r >= n_rows) {
+
+        if (!has_next) {
             break;
         }
-        ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);
+        // the next item: this one's per-row state cleared once every read of it is done
+        workgroupBarrier();
+        for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
+            let r = tid + j * WG;
+            if (r >= RMAX) {
+                break;
+            }
+            row_m[r] = 0.0;
+            row_l[r] = 0.0;
+            atomicStore(&row_qmax[r], 0u);
+        }
+        if (tid < RMAX) {
+            row_len[tid] = n_len;
+            row_q[tid] = n_qo;
+        }
+        if (tid < BK) {
+            key_src[tid] = n_row0;
+        }
+        if (tid + WG < BK) {
+            key_src[tid + WG] = n_row1;
+        }
+        for (var j = 0u; j < (RMAX * NPW_POISON + WG - 1u) / WG; j++) {
+            let x = tid + j * WG;
+            if (x >= RMAX * NPW_POISON) {
+                break;
+            }
+            atomicStore(&poison[x], 0u);
+        }
+        if (tid == 0u) {
+            q_bad = 0u;
+            flag0 = 0u;
+            flag1 = 0u;
+            poisoned = 0u;
+        }
+        workgroupBarrier();
+        item = nxt;
+        max_len = n_max_len;
+        n_e = n_ne;
+        g0 = n_g0;
+        ng = n_ng;
+        erec = n_erec;
+        pages = n_pages;
+        prow0 = n_prow0;
     }
 }

@@ -28,12 +28,14 @@ def test_R36_layers_recorded_together_equal_layers_submitted_one_by_one(WgpuBack
         sd = be.asarray(c["sel"])
         qd = [be.asarray(q) for q in c["qs"]]
         res, held = [], []
+        be.synchronize()  # (the device idle: its first layer goes at once)
         for i, q in enumerate(qd):
             res.append(plan.run(q, kd, vd, sd, return_lse=True))
             held.append(_open_layers(be))
             assert be.last_timings["batched"] is (per > 1)
-        # the open batch holds the layers since the last submission, never more than n
-        assert held == ([0] * len(qd) if per == 1 else [(i + 1) % per for i in range(len(qd))])
+        # the open batch holds the layers since the last submission, never more than n; the
+        # first layer, recorded while the device had nothing to do, was submitted by itself
+        assert held == ([0] * len(qd) if per == 1 else [0] + [i % per for i in range(1, len(qd))])
         outs[per] = [(o.numpy(), lse.numpy()) for o, lse in res]
         assert _open_layers(be) == 0  # a read submits what was recorded
         plan.close()
@@ -133,16 +135,47 @@ def test_R36_a_failure_while_recording_drops_the_batch_and_its_calls_raise(WgpuB
     be.close()
 
 
-def test_R36_synchronize_submits_the_open_batch(WgpuBackend):
-    be = WgpuBackend(layers_per_submission=16)
+@pytest.mark.psa_backends(exclude=("numpy",))
+def test_R36_synchronize_submits_the_open_batch(backend):
+    """On every GPU backend: Dawn's wait polls the queue (it must submit the batch first)."""
+    be = type(backend)(layers_per_submission=16)
     c = _decode(15)
     kd, vd = be.upload_kv_cache(c["k"], c["v"])
     plan = _plan(be, c)
-    o = plan.run(be.asarray(c["qs"][0]), kd, vd, be.asarray(c["sel"]))
+    sd = be.asarray(c["sel"])
+    o0 = plan.run(be.asarray(c["qs"][0]), kd, vd, sd)
+    o = plan.run(be.asarray(c["qs"][1]), kd, vd, sd)
     assert _open_layers(be) == 1
     be.synchronize()
     assert be.device_context.batch is None
-    np.testing.assert_array_equal(o.numpy(), plan.run(c["qs"][0], kd, vd, c["sel"]))
+    np.testing.assert_array_equal(o0.numpy(), plan.run(c["qs"][0], kd, vd, c["sel"]))
+    np.testing.assert_array_equal(o.numpy(), plan.run(c["qs"][1], kd, vd, c["sel"]))
+    plan.close()
+    be.close()
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+def test_R36_an_idle_device_gets_its_first_layer_at_once(backend):
+    """A batch is not held open while the device has nothing to do: after a wait for the whole
+    queue (``synchronize``) the next layer is submitted by itself, the ones after it together."""
+    be = type(backend)(layers_per_submission=4)
+    c = _decode(17)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = _plan(be, c)
+    sd = be.asarray(c["sel"])
+    qd = [be.asarray(q) for q in c["qs"]]
+    for _ in range(2):
+        be.synchronize()
+        assert be.device_context.queue_idle
+        held = []
+        for q in qd[:3]:
+            plan.run(q, kd, vd, sd)
+            held.append(_open_layers(be))
+        assert held == [0, 1, 2] and not be.device_context.queue_idle
+    outs = [plan.run(q, kd, vd, sd) for q in qd[:3]]
+    be.synchronize()
+    for q, o in zip(c["qs"], outs):
+        np.testing.assert_array_equal(o.numpy(), plan.run(q, kd, vd, c["sel"]))
     plan.close()
     be.close()
 

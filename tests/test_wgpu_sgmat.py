@@ -45,7 +45,9 @@ def test_msa_prefill_geometry_fills_the_workgroup_memory():
     assert (g.RMAX, g.TK, g.BK, g.WG) == (64, 32, 128, 512)
     assert g.kernel == "psa_partials_sgmat.wgsl" and g.kernel_name == g.kernel
     assert g.edges_per_item == 8 and g.heads_per_item == 8  # 8 queries x 8 heads share a K/V tile
-    assert g.constants() == {"D": 128, "S": 64, "TK": 32, "BK": 128, "RMAX": 64, "WG": 512}
+    assert g.constants() == {"D": 128, "S": 64, "TK": 32, "BK": 128, "RMAX": 64, "WG": 512,
+                             "NPW": _sgmat.PERSISTENT_WORKGROUPS}
+    assert g.max_workgroups == _sgmat.PERSISTENT_WORKGROUPS  # (its workgroups loop over items)
     # the largest geometry is what the word array holds, within 48 KiB (what Dawn reports for
     # these constants: 48704 bytes)
     assert _sgmat.sgmat_words(128, 64, 32, 128) == _sgmat.WCAP
@@ -176,3 +178,49 @@ def test_the_sgmat_kernel_on_its_geometries_matches_the_reference_and_the_fma_ke
     np.testing.assert_array_equal(np.isnan(out), np.isnan(fma_out))
     np.testing.assert_array_equal(np.isposinf(out), np.isposinf(fma_out))
     np.testing.assert_array_equal(np.isneginf(out), np.isneginf(fma_out))
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+@pytest.mark.parametrize("seed, D, page_size, ppb, G, seqlens", [
+    (21, 64, 16, 4, 8, (50, 20)),   # items of 64 rows, blocks of 64
+    (22, 128, 8, 25, 8, (40, 3)),   # blocks of 200 positions: BK 256, items of 32 rows
+])
+def test_workgroups_that_loop_over_items_give_the_bits_of_one_workgroup_per_item(
+        backend, monkeypatch, seed, D, page_size, ppb, G, seqlens):
+    """The tensor-core partials' workgroups loop over items (every NPW-th), reading the next
+    item while they work on one: with 3 workgroups each runs many items of this problem (the
+    next item's rows, pages, first K tile and queries taken over from the item before it), with
+    the default every item has a workgroup of its own. Both the host-planned path (``forward``)
+    and a plan on device-resident caches (its dispatch sized on the device) give the same bits
+    either way, NaN / +-inf of the poisoned cache positions included."""
+    if (16, 16, 16) not in backend.device_context.sgmat:
+        pytest.skip(f"backend {backend.name!r}: the device has no 16x16x16 float16 subgroup matrices")
+    pb = random_problem(seed, seqlens_q=seqlens, Hkv=2, G=G, D=D, page_size=page_size, ppb=ppb, msb=3,
+                        causal=True, dtype=np.float16, q_dtype=np.float32)
+    q, k, v, bt, sel, cu = (np.array(x) for x in pb.args)
+    # special values in items of every workgroup: +inf values in head 0 of every page of the first
+    # sequence, NaN keys in head 1 of its pages, and a query row of +inf (its item on FMA scores)
+    v[bt[0][bt[0] >= 0], 0, 0, 0] = np.inf
+    k[bt[0][bt[0] >= 0], 1, 1, 0] = np.nan
+    q[len(q) - 1, 0, :] = np.inf
+    args = (q, k, v, bt, sel, cu)
+    runs = {}
+    for npw in (_sgmat.PERSISTENT_WORKGROUPS, 3):
+        monkeypatch.setattr(_sgmat, "PERSISTENT_WORKGROUPS", npw)
+        be = type(backend)(partials_kernel="sgmat")
+        try:
+            out = psa.forward(*args, **pb.options, backend=be, return_lse=True)
+            assert be.last_timings["kernel"] == "psa_partials_sgmat.wgsl"
+            kd, vd = be.upload_kv_cache(k, v)
+            plan = psa.plan_attention(bt, cu, pb.options["used_kv_lens"], block_size=pb.options["block_size"],
+                                      page_size=page_size, num_q_heads=q.shape[1], num_kv_heads=k.shape[1],
+                                      head_dim=D, kv_dtype=k.dtype, topk=sel.shape[2], causal=True,
+                                      softmax_scale=pb.options.get("softmax_scale"), backend=be)
+            runs[npw] = (*out, plan.run(q, kd, vd, sel))
+            assert plan._runtime.geom.max_workgroups == npw
+        finally:
+            be.close()
+    (o1, l1, p1), (o2, l2, p2) = runs.values()
+    assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes() and p1.tobytes() == p2.tobytes()
+    assert p1.tobytes() == o1.tobytes()  # (the plan runs the same kernel as forward)
+    assert np.isnan(o1).any() and np.isinf(o1).any() and np.isfinite(o1).any()

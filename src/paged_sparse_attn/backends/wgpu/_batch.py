@@ -3,8 +3,9 @@
 A planned layer on device arrays (``AttentionPlan.run`` / ``run_sparse`` with device ``q``, and
 device ``selected`` / ``index_q``) records its passes into the device's open :class:`Batch`
 instead of an encoder and a submission of its own. The batch is finished and submitted when it
-holds ``layers_per_submission`` layers, and before anything that must come after its work on
-the queue. That is kept in one place: the device the backend uses is a :class:`DeviceView`,
+holds ``layers_per_submission`` layers, after its first layer when the device had nothing to do
+(``ctx.queue_idle``: nothing submitted since a wait for the whole queue), and before anything
+that must come after its work on the queue. That is kept in one place: the device the backend uses is a :class:`DeviceView`,
 whose queue (:class:`FlushingQueue`) submits the open batch before any submission, buffer write
 or read and wait of anyone; and a buffer is not destroyed while a batch is open (``retire``
 holds it until the batch is submitted), since a recorded command may still use it.
@@ -12,7 +13,10 @@ holds it until the batch is submitted), since a recorded command may still use i
 Why: on the H200 a decode attention layer's host work for its own encoder, ``finish`` and
 submission was what the pipelined loop waited for; four layers per encoder took Dawn's loop from
 159 to 118 µs per layer, and with the error words handed over by a kernel instead of a clear and
-a copy per layer (``psa_handoff.wgsl``) to 98 µs (``scripts/experiment_defer_layers.py``).
+a copy per layer (``psa_handoff.wgsl``) to 98 µs (``scripts/experiment_defer_layers.py``). A
+batch whose device is idle goes at once: a loop of prefill layers (each ~5 ms of GPU work and
+~0.7 ms of host work) otherwise left the GPU waiting for the host to record four layers after
+every synchronisation.
 
 Nothing recorded is lost silently: if recording a layer fails part-way (or the batch's
 submission fails), the batch is dropped and every call whose work it held raises
@@ -64,6 +68,7 @@ class FlushingQueue:
 
     def submit(self, command_buffers) -> None:
         flush(self._ctx)
+        self._ctx.queue_idle = False
         self._queue.submit(command_buffers)
 
     def write_buffer(self, *args, **kwargs) -> None:
@@ -77,6 +82,10 @@ class FlushingQueue:
     def on_submitted_work_done_sync(self) -> None:
         flush(self._ctx)
         self._queue.on_submitted_work_done_sync()
+
+    def on_submitted_work_done_async(self):
+        flush(self._ctx)  # (Dawn's polled wait, _runtime._dawn_poll_work_done: the batch's work included)
+        return self._queue.on_submitted_work_done_async()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)
@@ -122,6 +131,7 @@ def flush(ctx: Any) -> None:
     b = _close(ctx)
     if b is not None:
         try:
+            ctx.queue_idle = False
             ctx.device.raw.queue.submit([b.encoder.finish()])
         except BaseException as exc:
             b.failed = exc

@@ -139,6 +139,10 @@ class DeviceContext:
     sgmat: frozenset = frozenset()  # (M, N, K) of the f16 x f16 -> f32 subgroup-matrix configurations
     sync_buffers: tuple | None = None  # (source, mappable) of the 4-byte copy a wait maps: _transfer.wait_queue
     batch: Any = None  # the open batch of planned layers, not yet submitted (_batch.py, R36)
+    # nothing submitted since a wait for the whole queue (the device has nothing to do): set by
+    # _transfer.wait_queue*, cleared by every submission; an open batch is then submitted after
+    # its first layer, so that the device starts at once (_batch.py)
+    queue_idle: bool = True
 
     @property
     def host_memory(self) -> bool:

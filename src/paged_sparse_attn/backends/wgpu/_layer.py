@@ -50,6 +50,7 @@ from ._batch import drop, flush, open_batch
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._host_io import host_io
 from ._record import recorder
+from ._resident import MERGE_WG, merge_constants, merge_lanes
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read, read_ranges, wait_queue_spinning
 from ._webgpu import BufferUsage, QueryType
@@ -66,7 +67,6 @@ _F32 = np.dtype(np.float32)
 SCAN_WG = 256
 TILE = 4 * SCAN_WG
 INV_WG = 64
-MERGE_WG = 64
 REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment; raised per device)
 # uniform records of the consts buffer
 R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
@@ -207,7 +207,8 @@ class DeviceRuntime:
                     f"{fn}(): backend 'wgpu' cannot plan this layout on the device: its {what} take {nb} bytes, "
                     f"more than one storage binding ({ctx.binding_size} bytes); plan fewer queries per batch, or "
                     "call forward() with host arrays (batched on the host) [R18]")
-        gx_p = min(max_items, maxdim)
+        wg_cap = geom.max_workgroups or 0  # (a kernel whose workgroups loop over items: at most so many)
+        gx_p = min(max_items, wg_cap or max_items, maxdim)
         kname = "decode" if decode else ("sgmat" if geom.kernel_name == "psa_partials_sgmat.wgsl" else "generic")
         self.geometry = {"kernel": kname, "hpi": hpi, "nh": nh, "epi": epi, "gx": gx_p}
 
@@ -244,9 +245,9 @@ class DeviceRuntime:
         slab4 = (S * (-(-D // 4) * 4)) // 4
         inv = lambda gx, K=K: _words(Tq, Hkv, K, msb, BS, ppb, L.block_tables.shape[1], n_flags, G, nh, hpi, epi,
                                 erec_base, page_base, gx_p, emax, 2 * Tq, 2 * Tq + 2 * B, s1_dst, s1_tiles, nt1,
-                                w2_off, s2_dst, s2_tiles, nt2, gx, slab4, float(L.softmax_scale), 0, 0, 0, 0)
+                                w2_off, s2_dst, s2_tiles, nt2, gx, slab4, float(L.softmax_scale), wg_cap, 0, 0, 0)
         g1, g2 = _grid(nt1, maxdim), _grid(nt2, maxdim)
-        merge_wgs = -(-rows * D // MERGE_WG)
+        merge_wgs = -(-rows * merge_lanes(D) // MERGE_WG)
         mg = _grid(merge_wgs, maxdim)
         recs = {R_ROWS: inv(rows_grid[0]), R_EDGES: inv(edges_grid[0]),
                 R_SCAN1: _words(n1, n_flags, 0, s1_dst, s1_tiles, nt1, g1[0], 0),
@@ -269,7 +270,7 @@ class DeviceRuntime:
         # gives the resident caches this plan reads; they are checked to be in the plan's layout)
         rh = {"RH": Hkv} if L.kv_layout == "NHD" and Hkv > 1 else {}
         self.p_part = be._pipeline(geom.kernel_name, f16, {**geom.constants(), **rh})
-        self.p_merge = be._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
+        self.p_merge = be._pipeline(MERGE, False, merge_constants(D))
 
         def ub(i, size):
             return {"buffer": self.consts, "offset": i * align, "size": size}
@@ -689,7 +690,8 @@ class DeviceRuntime:
                 dev.queue.submit([enc.finish()])
             else:
                 batch.layers += 1
-                if batch.layers >= self.be._layers_per_submission:
+                # (an idle device starts at once: its first layer is not held for the next ones)
+                if batch.layers >= self.be._layers_per_submission or self.ctx.queue_idle:
                     flush(self.ctx)
             t2 = time.perf_counter()
             if device_out:

@@ -50,6 +50,7 @@ __all__ = [
     "plan_forward",
     "plan_partials",
     "grid_dispatches",
+    "partials_grid",
     "unique_sorted",
     "unique_inverse",
 ]
@@ -131,6 +132,12 @@ class Geometry:
     @property
     def workgroup_bytes(self) -> int:
         return workgroup_bytes(self.D, self.TK, self.RMAX, self.TD, self.kv_itemsize, self.WG)
+
+    @property
+    def max_workgroups(self) -> int | None:
+        """Workgroups a dispatch of the kernel needs at most, whatever its item count (a kernel
+        whose workgroups loop over items), or None: one workgroup per item."""
+        return None
 
     def constants(self) -> dict[str, int]:
         return {"D": self.D, "S": self.S, "TK": self.TK, "RMAX": self.RMAX, "WG": self.WG, "TD": self.TD}
@@ -626,6 +633,16 @@ def plan_partials(view: IndexView, geom: Geometry, smap: SlabMap, binding: int) 
         plans.append(BatchPlan(it["words"], it["dispatches"], it["n_prows"], it["identity"], merge,
                                (e1 - e0) * geom.G, q_rows, slice(e0 * geom.G, e1 * geom.G), geom.G))
     return plans
+
+
+def partials_grid(count: int, gx: int, gy: int, geom: Geometry, max_per_dim: int) -> tuple[int, int]:
+    """The grid of a partials dispatch of ``count`` items (``gx``, ``gy`` from
+    :func:`grid_dispatches`), fewer workgroups for a kernel whose workgroups loop over items."""
+    cap = geom.max_workgroups
+    if cap is None or count <= cap:
+        return gx, gy
+    gx = min(cap, max_per_dim)
+    return gx, -(-cap // gx)
 
 
 def grid_dispatches(n_groups: int, max_per_dim: int):

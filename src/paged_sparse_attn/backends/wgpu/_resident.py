@@ -14,9 +14,21 @@ from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._device import DeviceContext, device_errors
 from ._plan import BatchPlan, Geometry
 
-__all__ = ["ResidentMixin", "MERGE_WG", "alloc_bytes", "layout_bytes"]
+__all__ = ["ResidentMixin", "MERGE_WG", "alloc_bytes", "layout_bytes", "merge_constants", "merge_lanes"]
 
 MERGE_WG = 64
+
+
+def merge_constants(D: int) -> dict[str, int]:
+    """Override constants of psa_merge.wgsl for head dim ``D``: components per invocation DV = 4
+    where D allows (more loads in flight per invocation), else 2 or 1."""
+    dv = 4 if D % 4 == 0 else 2 if D % 2 == 0 else 1
+    return {"D": D, "WG": MERGE_WG, "DV": dv}
+
+
+def merge_lanes(D: int) -> int:
+    """Invocations of psa_merge.wgsl per destination row (D / DV)."""
+    return D // merge_constants(D)["DV"]
 
 
 def alloc_bytes(nbytes: int) -> int:
@@ -204,7 +216,7 @@ class ResidentMixin:
             nq = (bp.q_rows.stop - bp.q_rows.start) if isinstance(bp.q_rows, slice) else len(bp.q_rows)
             records = sum(-(-count // (maxdim * maxdim)) for _, _, count in bp.dispatches)
             if bp.merge_words is not None:
-                per = max(1, min(maxdim * maxdim * MERGE_WG // D, (1 << 30) // D))
+                per = max(1, min(maxdim * maxdim * MERGE_WG // merge_lanes(D), (1 << 30) // D))
                 records += -(-bp.n_dest // per)
                 work += alloc_bytes(bp.merge_words.nbytes)
             work += (alloc_bytes(nq * G * D * 4) + alloc_bytes(bp.plan_words.nbytes) + alloc_bytes(records * ctx.uniform_align)

@@ -155,6 +155,7 @@ def wait_queue_spinning(ctx: Any, spin_s: float = SPIN_S) -> None:
         wait_queue(ctx)
         return
     poll(ctx.device, spin_s)
+    ctx.queue_idle = ctx.batch is None  # (the poll submitted the open batch first, if any)
 
 
 def wait_queue(ctx: Any) -> None:
@@ -167,6 +168,7 @@ def wait_queue(ctx: Any) -> None:
     dev = ctx.device
     if ctx.runtime.work_done_wait:
         dev.queue.on_submitted_work_done_sync()
+        ctx.queue_idle = True
         return
     if ctx.sync_buffers is None:
         ctx.sync_buffers = (dev.create_buffer(size=16, usage=BufferUsage.COPY_SRC, label="sync.src"),
@@ -174,6 +176,7 @@ def wait_queue(ctx: Any) -> None:
                                               label="sync.rb"))
     src, rb = ctx.sync_buffers
     read_ranges(dev, src, [(0, 4)], rb)
+    ctx.queue_idle = True
 
 
 # wgpu-py maps in READ mode only after submitting an empty command buffer (a workaround for maps

@@ -52,11 +52,12 @@ from ._plan import (
     IndexView,
     choose_geometry,
     grid_dispatches,
+    partials_grid,
     plan_forward,
     plan_partials,
 )
 from ._profiling import ProfilingMixin
-from ._resident import MERGE_WG, ResidentMixin, layout_bytes
+from ._resident import MERGE_WG, ResidentMixin, layout_bytes, merge_constants, merge_lanes
 from ._runtime import DAWN, WGPU_NATIVE, Runtime
 from ._sgmat import choose_sgmat_geometry, sgmat_ineligible
 from ._tensors import WgpuTensor, lse_from_ml
@@ -682,7 +683,7 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             with device_errors(what, **sizes):
                 dev = ctx.device
                 pipe_p, bgl_p = self._pipeline(kernel, f16, {**geom.constants(), **layout.kernel_constants()})
-                pipe_m, bgl_m = self._pipeline(MERGE, False, {"D": D, "WG": MERGE_WG})
+                pipe_m, bgl_m = self._pipeline(MERGE, False, merge_constants(D))
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
                 if scratch_rows:
@@ -707,13 +708,14 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                     records, calls = [], []
                     for chunk, first, count in bp.dispatches:
                         for f2, c2, gx, gy in grid_dispatches(count, maxdim):
+                            gx, gy = partials_grid(c2, gx, gy, geom, maxdim)
                             records.append(_u32_record(first + f2, c2, gx, geom.G, layout.slab_stride // 4, scale))
                             calls.append(("p", chunk, gx, gy))
                     if bp.merge_words is not None:
-                        per = max(1, min(maxdim * maxdim * MERGE_WG // D, (1 << 30) // D))
+                        per = max(1, min(maxdim * maxdim * MERGE_WG // merge_lanes(D), (1 << 30) // D))
                         for d0 in range(0, bp.n_dest, per):
                             nd = min(per, bp.n_dest - d0)
-                            wgs = -(-nd * D // MERGE_WG)
+                            wgs = -(-nd * merge_lanes(D) // MERGE_WG)
                             gx = min(wgs, maxdim)
                             gy = -(-wgs // gx)
                             records.append(_u32_record(d0, nd, gx, bp.elem_off, int(normalize), bp.group_size))
