@@ -13,9 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from paged_sparse_attn.backends.wgpu import _kernels, _shaders
+from paged_sparse_attn.backends.wgpu import _kernels, _sgmat, _shaders
+from paged_sparse_attn.backends.wgpu import backend as _backend
 
-__all__ = ["SOURCES", "add_arguments", "original", "print_medians", "register", "use"]
+__all__ = ["SOURCES", "OneItemPerWorkgroup", "add_arguments", "one_item_per_workgroup", "original", "print_medians",
+           "register", "use"]
 
 SOURCES: dict[str, str] = {}
 _orig_read = _shaders._read
@@ -39,6 +41,25 @@ def register(name: str, source: str, row: _kernels.Kernel) -> str:
     _kernels.KERNEL_TABLE[name] = row
     _shaders.shader_source.cache_clear()
     return name
+
+
+class OneItemPerWorkgroup(_sgmat.SgmatGeometry):
+    """The geometry of a subgroup-matrix partials kernel from before persistent workgroups (up to
+    revision 66a91ec): one workgroup per item, no ``NPW`` constant."""
+
+    @property
+    def max_workgroups(self):
+        return None
+
+    def constants(self) -> dict[str, int]:
+        return {k: v for k, v in super().constants().items() if k != "NPW"}
+
+
+def one_item_per_workgroup(on: bool = True) -> None:
+    """Make the backend plan the subgroup-matrix kernel with :class:`OneItemPerWorkgroup`
+    geometries in this process (``on=False``: as the project does)."""
+    choose = _sgmat.choose_sgmat_geometry
+    _backend.choose_sgmat_geometry = (lambda *a, **kw: OneItemPerWorkgroup(**vars(choose(*a, **kw)))) if on else choose
 
 
 def use(sources: dict[str, str]) -> None:

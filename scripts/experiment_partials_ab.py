@@ -29,26 +29,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _layer_inputs as li
-from _wgsl_variants import original, print_medians, register
+from _wgsl_variants import one_item_per_workgroup, original, print_medians, register
 
 from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu import _kernels, _sgmat
-from paged_sparse_attn.backends.wgpu import backend as backend_module
 
 BASE = "psa_partials_sgmat.wgsl"
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class OneItemPerWorkgroup(_sgmat.SgmatGeometry):
-    """The geometry of a kernel from before persistent workgroups: one workgroup per item, no
-    ``NPW`` constant."""
-
-    @property
-    def max_workgroups(self):
-        return None
-
-    def constants(self) -> dict[str, int]:
-        return {k: v for k, v in super().constants().items() if k != "NPW"}
 
 
 def versions(revs: list[str], folders: list[str]) -> dict[str, str]:
@@ -83,7 +70,6 @@ def main() -> int:
     candidates = _sgmat._candidates
     npws = {label: int(n) for label, _, n in (x.rpartition("=") for x in a.npw)}
     npw0 = _sgmat.PERSISTENT_WORKGROUPS
-    choose = backend_module.choose_sgmat_geometry
     try:
         for r in range(a.rounds):
             for label, src in srcs.items():
@@ -93,8 +79,7 @@ def main() -> int:
                     lambda ctx, D, bs, rows, _c=cap: candidates(ctx, D, bs, min(rows, _c)))
                 npw = npws.get(label, npw0)
                 _sgmat.PERSISTENT_WORKGROUPS = npw or npw0
-                backend_module.choose_sgmat_geometry = choose if npw else (
-                    lambda *args, **kw: OneItemPerWorkgroup(**vars(choose(*args, **kw))))
+                one_item_per_workgroup(not npw)
                 be = type(registry.get_backend(a.backend))(timestamps=True)
                 try:
                     t, out, geo = li.attention_gpu_time(be, lw, prob, a.calls)
@@ -114,7 +99,7 @@ def main() -> int:
         register(BASE, srcs["as it is"], row)
         _sgmat._candidates = candidates
         _sgmat.PERSISTENT_WORKGROUPS = npw0
-        backend_module.choose_sgmat_geometry = choose
+        one_item_per_workgroup(False)
     print_medians(res, 24)
     return 0
 

@@ -8,12 +8,17 @@ float16 caches) as the GPU time of a planned attention call's partials and combi
 each variant on a fresh device, in alternating rounds. Run on a machine with Dawn and f16
 subgroup matrices:
 
-    python scripts/experiment_partials_split.py [--rounds 2] [--calls 4]
+    python scripts/experiment_partials_split.py [--rounds 2] [--calls 4] [--rev 66a91ec]
+
+The edits fit the kernel of one workgroup per item, the file at revision 66a91ec (``--rev``, the
+default; run from a clone with its history): a stage's exit there ends the item, where in the
+kernel whose workgroups loop over items it would end every later item of the workgroup too.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _layer_inputs as li
-from _wgsl_variants import original, print_medians, register
+from _wgsl_variants import one_item_per_workgroup, print_medians, register
 
 from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu import _kernels
@@ -74,10 +79,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--rev", default="66a91ec", help="the revision whose kernel to split (one workgroup per item)")
     a = ap.parse_args()
     lw, prob, _, _ = li.layer_inputs("prefill")
-    src0 = original(BASE)
+    src0 = subprocess.run(["git", "show", f"{a.rev}:shaders/{BASE}"], cwd=Path(__file__).resolve().parents[1],
+                          check=True, capture_output=True, text=True).stdout
     row = _kernels.KERNEL_TABLE[BASE]
+    one_item_per_workgroup()  # (the kernel of --rev: one workgroup per item)
     res: dict = {}
     outs: dict = {}
     for r in range(a.rounds):
