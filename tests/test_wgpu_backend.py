@@ -138,6 +138,40 @@ def test_shaders_are_found_and_specialised_for_float16():
     assert src.startswith("enable f16;") and "alias kv_t = f16;" in src
 
 
+@pytest.mark.parametrize("D, dv", [(8, 4), (6, 2), (5, 1)])
+def test_the_combine_on_several_components_per_invocation_gives_the_same_bits(WgpuBackend, monkeypatch, D, dv):
+    """psa_merge.wgsl takes DV components per invocation where the dispatch is wide (prefill: 4,
+    measured faster on an H200); CI's problems are narrow, so the width is lowered here: both
+    paths (forward with host arrays, a plan on resident caches) give the bits of one component
+    per invocation, rows of more than one chunk of 8 elements included."""
+    from paged_sparse_attn.backends.wgpu import _resident
+
+    pb = random_problem(7, seqlens_q=(9, 4), Hkv=2, G=3, D=D, page_size=2, ppb=2, msb=12, causal=False,
+                        dtype=np.float32, q_dtype=np.float32)
+    q, k, v, bt, sel, cu = pb.args
+    assert sel.shape[2] > 8  # (the merge's chunks of 8: rescaled between them)
+    runs = {}
+    for wide in (1, 1 << 40):
+        monkeypatch.setattr(_resident, "MERGE_WIDE", wide)
+        assert _resident.merge_constants(D, 26)["DV"] == (dv if wide == 1 else 1)
+        be = WgpuBackend()
+        try:
+            out, lse = psa.forward(*pb.args, **pb.options, backend=be, return_lse=True)
+            kd, vd = be.upload_kv_cache(k, v)
+            plan = psa.plan_attention(bt, cu, pb.options["used_kv_lens"], block_size=pb.options["block_size"],
+                                      page_size=2, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=D,
+                                      kv_dtype=k.dtype, topk=sel.shape[2], softmax_scale=pb.options["softmax_scale"],
+                                      backend=be)
+            runs[wide] = (out, lse, plan.run(q, kd, vd, sel))
+            plan.close()
+        finally:
+            be.close()
+    (o1, l1, p1), (o2, l2, p2) = runs.values()
+    assert o1.tobytes() == o2.tobytes() and l1.tobytes() == l2.tobytes() and p1.tobytes() == p2.tobytes()
+    ref = psa.forward(*pb.args, **pb.options, backend="numpy")
+    assert_attention_close(o1, ref, dtype=np.float32)
+
+
 # --- the grid: wgpu == numpy == dense reference (R9-R11, R13-R15, R20) -------------------------
 
 GRID = {

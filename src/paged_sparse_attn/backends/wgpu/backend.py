@@ -683,7 +683,9 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             with device_errors(what, **sizes):
                 dev = ctx.device
                 pipe_p, bgl_p = self._pipeline(kernel, f16, {**geom.constants(), **layout.kernel_constants()})
-                pipe_m, bgl_m = self._pipeline(MERGE, False, merge_constants(D))
+                max_dest = max((p.n_dest for p in plans), default=0)  # (one combine pipeline for every batch)
+                pipe_m, bgl_m = self._pipeline(MERGE, False, merge_constants(D, max_dest))
+                lanes = merge_lanes(D, max_dest)
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
                 if scratch_rows:
@@ -712,10 +714,10 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                             records.append(_u32_record(first + f2, c2, gx, geom.G, layout.slab_stride // 4, scale))
                             calls.append(("p", chunk, gx, gy))
                     if bp.merge_words is not None:
-                        per = max(1, min(maxdim * maxdim * MERGE_WG // merge_lanes(D), (1 << 30) // D))
+                        per = max(1, min(maxdim * maxdim * MERGE_WG // lanes, (1 << 30) // D))
                         for d0 in range(0, bp.n_dest, per):
                             nd = min(per, bp.n_dest - d0)
-                            wgs = -(-nd * merge_lanes(D) // MERGE_WG)
+                            wgs = -(-nd * lanes // MERGE_WG)
                             gx = min(wgs, maxdim)
                             gy = -(-wgs // gx)
                             records.append(_u32_record(d0, nd, gx, bp.elem_off, int(normalize), bp.group_size))
