@@ -50,7 +50,7 @@ from ._batch import drop, flush, open_batch
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._host_io import host_io
 from ._record import recorder
-from ._resident import MERGE_WG, merge_constants, merge_lanes
+from ._resident import MERGE_WG, merge_constants
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read, read_ranges, wait_queue_spinning
 from ._webgpu import BufferUsage, QueryType
@@ -247,7 +247,8 @@ class DeviceRuntime:
                                 erec_base, page_base, gx_p, emax, 2 * Tq, 2 * Tq + 2 * B, s1_dst, s1_tiles, nt1,
                                 w2_off, s2_dst, s2_tiles, nt2, gx, slab4, float(L.softmax_scale), wg_cap, 0, 0, 0)
         g1, g2 = _grid(nt1, maxdim), _grid(nt2, maxdim)
-        merge_wgs = -(-rows * merge_lanes(D, rows) // MERGE_WG)
+        merge_c = merge_constants(D, rows)
+        merge_wgs = -(-rows * (D // merge_c["DV"]) // MERGE_WG)
         mg = _grid(merge_wgs, maxdim)
         recs = {R_ROWS: inv(rows_grid[0]), R_EDGES: inv(edges_grid[0]),
                 R_SCAN1: _words(n1, n_flags, 0, s1_dst, s1_tiles, nt1, g1[0], 0),
@@ -270,7 +271,7 @@ class DeviceRuntime:
         # gives the resident caches this plan reads; they are checked to be in the plan's layout)
         rh = {"RH": Hkv} if L.kv_layout == "NHD" and Hkv > 1 else {}
         self.p_part = be._pipeline(geom.kernel_name, f16, {**geom.constants(), **rh})
-        self.p_merge = be._pipeline(MERGE, False, merge_constants(D, rows))
+        self.p_merge = be._pipeline(MERGE, False, merge_c)
 
         def ub(i, size):
             return {"buffer": self.consts, "offset": i * align, "size": size}

@@ -14,7 +14,7 @@ from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._device import DeviceContext, device_errors
 from ._plan import BatchPlan, Geometry
 
-__all__ = ["ResidentMixin", "MERGE_WG", "alloc_bytes", "layout_bytes", "merge_constants", "merge_lanes", "MERGE_WIDE"]
+__all__ = ["ResidentMixin", "MERGE_WG", "MERGE_WIDE", "alloc_bytes", "layout_bytes", "merge_constants", "merge_split"]
 
 MERGE_WG = 64
 
@@ -38,9 +38,14 @@ def merge_constants(D: int, rows: int) -> dict[str, int]:
     return {"D": D, "WG": MERGE_WG, "DV": dv}
 
 
-def merge_lanes(D: int, rows: int) -> int:
-    """Invocations of psa_merge.wgsl per destination row (D / DV; as :func:`merge_constants`)."""
-    return D // merge_constants(D, rows)["DV"]
+def merge_split(D: int, plans, max_per_dim: int) -> tuple[dict[str, int], int]:
+    """The combine of a host-planned call's batches ``plans``: its override constants (one
+    pipeline for every batch, sized by the largest) and the destinations per dispatch (within
+    ``max_per_dim``² workgroups, and ``dest * D`` within 2^30). Used by ``_execute`` and
+    mirrored by ``_call_bytes`` through this one function."""
+    mc = merge_constants(D, max((bp.n_dest for bp in plans), default=0))
+    lanes = D // mc["DV"]  # invocations per destination
+    return mc, max(1, min(max_per_dim * max_per_dim * MERGE_WG // lanes, (1 << 30) // D))
 
 
 def alloc_bytes(nbytes: int) -> int:
@@ -224,12 +229,11 @@ class ResidentMixin:
         D, G = geom.D, geom.G
         maxdim = ctx.workgroups_per_dim
         work = readback = 0
-        max_dest = max((bp.n_dest for bp in plans), default=0)  # (the combine's one pipeline, as _execute)
+        per = merge_split(D, plans, maxdim)[1]
         for bp in plans:
             nq = (bp.q_rows.stop - bp.q_rows.start) if isinstance(bp.q_rows, slice) else len(bp.q_rows)
             records = sum(-(-count // (maxdim * maxdim)) for _, _, count in bp.dispatches)
             if bp.merge_words is not None:
-                per = max(1, min(maxdim * maxdim * MERGE_WG // merge_lanes(D, max_dest), (1 << 30) // D))
                 records += -(-bp.n_dest // per)
                 work += alloc_bytes(bp.merge_words.nbytes)
             work += (alloc_bytes(nq * G * D * 4) + alloc_bytes(bp.plan_words.nbytes) + alloc_bytes(records * ctx.uniform_align)

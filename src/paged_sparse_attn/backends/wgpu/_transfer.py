@@ -154,8 +154,8 @@ def wait_queue_spinning(ctx: Any, spin_s: float = SPIN_S) -> None:
     if poll is None or spin_s <= 0:
         wait_queue(ctx)
         return
-    poll(ctx.device, spin_s)
-    ctx.queue_idle = ctx.batch is None  # (the poll submitted the open batch first, if any)
+    poll(ctx.device, spin_s)  # (through the FlushingQueue: the open batch is submitted first)
+    ctx.queue_idle = True
 
 
 def wait_queue(ctx: Any) -> None:

@@ -57,7 +57,7 @@ from ._plan import (
     plan_partials,
 )
 from ._profiling import ProfilingMixin
-from ._resident import MERGE_WG, ResidentMixin, layout_bytes, merge_constants, merge_lanes
+from ._resident import MERGE_WG, ResidentMixin, layout_bytes, merge_split
 from ._runtime import DAWN, WGPU_NATIVE, Runtime
 from ._sgmat import choose_sgmat_geometry, sgmat_ineligible
 from ._tensors import WgpuTensor, lse_from_ml
@@ -683,9 +683,9 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             with device_errors(what, **sizes):
                 dev = ctx.device
                 pipe_p, bgl_p = self._pipeline(kernel, f16, {**geom.constants(), **layout.kernel_constants()})
-                max_dest = max((p.n_dest for p in plans), default=0)  # (one combine pipeline for every batch)
-                pipe_m, bgl_m = self._pipeline(MERGE, False, merge_constants(D, max_dest))
-                lanes = merge_lanes(D, max_dest)
+                merge_c, per = merge_split(D, plans, ctx.workgroups_per_dim)
+                pipe_m, bgl_m = self._pipeline(MERGE, False, merge_c)
+                lanes = D // merge_c["DV"]  # invocations per destination
                 scratch_rows = max([p.n_prows for p in plans if not p.identity] or [0])
                 scratch_o = scratch_ml = None
                 if scratch_rows:
@@ -714,7 +714,6 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                             records.append(_u32_record(first + f2, c2, gx, geom.G, layout.slab_stride // 4, scale))
                             calls.append(("p", chunk, gx, gy))
                     if bp.merge_words is not None:
-                        per = max(1, min(maxdim * maxdim * MERGE_WG // lanes, (1 << 30) // D))
                         for d0 in range(0, bp.n_dest, per):
                             nd = min(per, bp.n_dest - d0)
                             wgs = -(-nd * lanes // MERGE_WG)
