@@ -99,3 +99,26 @@ def test_buffers_of_host_memory_are_requested_on_dawn_only(null_adapter):
     assert DAWN.host_memory_feature in DAWN.logical_features(dev.features)
     assert callable(DAWN.host_memory_module().create_buffer_from_host_memory)
     dev.destroy()
+
+
+def test_the_polled_wait_returns_after_the_work_and_can_be_reused(null_adapter):
+    """``DAWN.poll_work_done`` (one callback registration per thread, reused by every wait):
+    each wait returns once the queue's work is done, polled (spin) or blocking (no spin), many
+    times in a row; a wait on a lost device raises instead of returning as if the work were done."""
+    from paged_sparse_attn.backends.wgpu import _runtime
+
+    dev = DAWN.request_device(null_adapter, [], {})
+    buf = dev.create_buffer(size=16, usage=0x0004 | 0x0008)  # COPY_SRC | COPY_DST
+    for spin in (0.0, 0.002, 0.002, 0.0):
+        enc = dev.create_command_encoder()
+        enc.clear_buffer(buf, 0, 16)
+        dev.queue.submit([enc.finish()])
+        DAWN.poll_work_done(dev, spin)
+        assert _runtime._work_done.w.status == _runtime._work_done.w.ok
+    waiter = _runtime._work_done.w
+    for _ in range(50):
+        DAWN.poll_work_done(dev, 0.001)
+    assert _runtime._work_done.w is waiter  # (made once per thread)
+    dev.destroy()
+    with pytest.raises(Exception, match="lost|status"):
+        DAWN.poll_work_done(dev, 0.0)

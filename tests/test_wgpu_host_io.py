@@ -37,25 +37,11 @@ class _Memory:
 
 @pytest.fixture
 def null_io():
-    """A ``HostIO`` of 1000 + 24 bytes of inputs and 4 KiB result blocks, on stand-in memory."""
+    """A ``HostIO`` of 4 KiB result blocks, on stand-in memory."""
     runtime = SimpleNamespace(host_memory_module=lambda: _Memory)
     ctx = SimpleNamespace(runtime=runtime, device=None, host_memory=True)
     owner: list = []
-    return _host_io.HostIO(ctx, {"q": 1000, "selected": 24}, 4096, owner), owner
-
-
-def test_inputs_are_laid_out_apart_and_staged_only_when_they_fit(null_io):
-    io, owner = null_io
-    assert io.at == {"q": 0, "selected": 1024}  # (256-byte aligned offsets)
-    copies = []
-    enc = SimpleNamespace(copy_buffer_to_buffer=lambda *a: copies.append(a))
-    q = np.arange(250, dtype=np.float32)
-    assert io.stage(enc, "q", q, "dst", 1000)
-    assert io.in_bytes[:1000].view(np.float32).tolist() == q.tolist()
-    assert copies == [(io.inputs, 0, "dst", 0, 1000)]
-    assert not io.stage(enc, "q", q[::2], "dst", 500)  # not C-contiguous: the caller writes it
-    assert not io.stage(enc, "selected", np.zeros(5, np.int32), "dst", 24)  # not the planned size
-    assert len(copies) == 1 and io.inputs in owner
+    return _host_io.HostIO(ctx, 4096, owner), owner
 
 
 def test_a_lent_block_is_not_reused_while_any_view_of_its_array_lives(null_io):
@@ -79,7 +65,7 @@ def test_a_lent_block_is_not_reused_while_any_view_of_its_array_lives(null_io):
     assert not np.shares_memory(own, io.own.bytes)  # the own block's results are copied
     io.put(io.own)
     assert io.take() is blocks[0]  # (put ignores the own block)
-    assert len(owner) == 2 + _host_io.LEND  # inputs, own block, lendable blocks
+    assert len(owner) == 1 + _host_io.LEND  # own block, lendable blocks
 
 
 def test_memory_the_device_refuses_gives_none_and_says_why():
@@ -93,14 +79,14 @@ def test_memory_the_device_refuses_gives_none_and_says_why():
 
     ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: Refusing), device=None, host_memory=True)
     with pytest.warns(RuntimeWarning, match="refused them .*multiples of 4096"):
-        assert _host_io.host_io(ctx, {"q": 64}, 64, []) is None
+        assert _host_io.host_io(ctx, 64, []) is None
 
 
 def test_plans_too_large_for_the_limit_get_none(null_io):
     io, _ = null_io
     ctx = SimpleNamespace(host_memory=True)
-    assert _host_io.host_io(ctx, {"q": _host_io.HOST_IO_BYTES}, 16, []) is None
-    assert _host_io.host_io(SimpleNamespace(host_memory=False), {"q": 16}, 16, []) is None
+    assert _host_io.host_io(ctx, _host_io.HOST_IO_BYTES // (1 + _host_io.LEND) + 1, []) is None
+    assert _host_io.host_io(SimpleNamespace(host_memory=False), 16, []) is None
 
 
 @pytest.mark.psa_backends(exclude=("numpy",))

@@ -138,20 +138,17 @@ def forward(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, *, used_k
         The backend is unknown or cannot run here.
     """
     if isinstance(q, DeviceArray) or isinstance(selected, DeviceArray):  # R30: results stay on the device
-        from ._attention_plan import forward_planned
-
-        return forward_planned(q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
-                               used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
-                               causal=causal, kv_layout=kv_layout, backend=backend, return_lse=return_lse)
+        return _attention_plan.forward_planned(
+            q, k_cache, v_cache, block_tables, selected, cu_seqlens_q, used_kv_lens=used_kv_lens,
+            block_size=block_size, softmax_scale=softmax_scale, causal=causal, kv_layout=kv_layout,
+            backend=backend, return_lse=return_lse)
     p = validate_forward("forward", q, k_cache, v_cache, block_tables, selected, cu_seqlens_q,
                          used_kv_lens=used_kv_lens, block_size=block_size, softmax_scale=softmax_scale,
                          causal=causal, kv_layout=kv_layout)
     be = resolve_backend(backend, p.k_cache, p.v_cache)
     _run_checks(be, "forward", p)
     if be.plans_forward(p):  # the backend's plan runtime takes this call (R32)
-        from ._attention_plan import forward_plan
-
-        out, lse = checked_out_lse(be, "forward", forward_plan(p, be)._run(
+        out, lse = checked_out_lse(be, "forward", _attention_plan.forward_plan(p, be)._run(
             p.q_input, p.k_cache, p.v_cache, p.selected), p.q_input.shape)  # (q as given: R7)
         return (out, lse) if return_lse else out
     index = build_index_arrays(p.selected, p.layout)
@@ -254,3 +251,7 @@ def combine_partials(partials, index) -> tuple[np.ndarray, np.ndarray]:
     from ._combine import combine_partials_numpy
 
     return combine_partials_numpy(partials, index)
+
+
+# the plans (their module imports this one's checks: imported last, read at call time)
+from . import _attention_plan

@@ -84,8 +84,14 @@ class FlushingQueue:
         self._queue.on_submitted_work_done_sync()
 
     def on_submitted_work_done_async(self):
-        flush(self._ctx)  # (Dawn's polled wait, _runtime._dawn_poll_work_done: the batch's work included)
+        flush(self._ctx)
         return self._queue.on_submitted_work_done_async()
+
+    def flushed(self) -> Any:
+        """The runtime's queue itself, the open batch submitted first (Dawn's polled wait,
+        ``_runtime._dawn_poll_work_done``, calls it directly: the batch's work included)."""
+        flush(self._ctx)
+        return self._queue
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._queue, name)
@@ -125,7 +131,9 @@ def _close(ctx: Any) -> Batch | None:
 
 def flush(ctx: Any) -> None:
     """Finish and submit the device's open batch, if any (then destroy the buffers held for it)."""
-    if ctx.batch is not None and ctx.batch.recording:
+    if ctx.batch is None:
+        return  # (every write, submission and wait of the queue comes through here: nothing to do)
+    if ctx.batch.recording:
         raise RuntimeError("paged_sparse_attn internal error: the device's queue was used while a layer was "
                            "recorded into the open batch (R36)")
     b = _close(ctx)

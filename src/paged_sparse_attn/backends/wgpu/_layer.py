@@ -18,8 +18,8 @@ pipeline a layer needs. A layer then encodes
 5. the results: written into a new device buffer (device ``q``: the results stay there, R30);
    for a host ``q`` into a block of host memory the GPU maps, lent to the caller as ``out``
    (``_host_io.py``: where the device makes such buffers and the plan is small), else copied
-   into the plan's readback buffer, mapped once. Host ``q`` and ``selected`` go the same way:
-   copied into the plan's pinned inputs and from there to the device, else one write each.
+   into the plan's readback buffer, mapped once. Host ``q`` and ``selected`` are written with
+   one ``queue.write_buffer`` each (measured faster than staging them in pinned memory).
 
 A layer whose every per-call tensor is a device array is recorded into the device's open batch
 (``_batch.open_batch``) instead of an encoder of its own, and submitted with the layers around
@@ -234,9 +234,8 @@ class DeviceRuntime:
         self.out = self._buffer(self.o_bytes, st | U.COPY_SRC, "out")
         self.oml = self._buffer(self.ml_bytes, st | U.COPY_SRC, "out.ml")
         self.rb = self._buffer(self.o_bytes + self.ml_bytes + 8, U.MAP_READ | U.COPY_DST, "readback")
-        self.hio = None  # pinned inputs and results of host calls (_host_io.py), made by the first
+        self.hio = None  # pinned results of host calls (_host_io.py), made by the first
         self.hio_made = False  # (None where the device cannot map host memory)
-        self.call_io = None  # the HostIO the call being encoded stages its host tensors through
         self.consts = self._buffer(5 * align, U.UNIFORM | U.COPY_DST, "consts")
 
         # uniform records
@@ -393,23 +392,18 @@ class DeviceRuntime:
                 raise
 
     def _stage(self, enc, src, dst, nbytes: int, dtype) -> None:
-        """Copy a layer's tensor into a plan buffer: a device copy, or for a host array a copy
-        through the call's pinned inputs (``call_io``) or one write."""
+        """Copy a layer's tensor into a plan buffer: a device copy, or for a host array one write."""
         if isinstance(src, DeviceArray):
             enc.copy_buffer_to_buffer(src.buffer(), src.offset, dst, 0, nbytes)
         elif nbytes:
-            io = self.call_io
-            role = "q" if dst is self.q else "selected" if dst is self.sel else None
-            if io is None or role is None or src.dtype != dtype or not io.stage(enc, role, src, dst, nbytes):
-                self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
+            self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
 
     def _host_io(self):
-        """The plan's pinned inputs and results (``_host_io.py``), made by the first call with
-        host results; None where the device cannot map host memory or the plan is too large."""
+        """The plan's pinned results (``_host_io.py``), made by the first call with host
+        results; None where the device cannot map host memory or the plan is too large."""
         if not self.hio_made:
             self.hio_made = True
-            self.hio = host_io(self.ctx, {"q": self.Tq * self.Hq * self.D * 4, "selected": self.emax * 4},
-                               CallResult.nbytes(self.Tq, self.Hq, self.D), self.bufs)
+            self.hio = host_io(self.ctx, CallResult.nbytes(self.Tq, self.Hq, self.D), self.bufs)
         return self.hio
 
     def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None,
@@ -562,7 +556,10 @@ class DeviceRuntime:
         if cp is None:
             if handoff is None:
                 self._clear_errors(enc)
-            cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
+            ts = self._ts(0)
+            # an untimed pass through the C functions where the dispatches go there (_record.py)
+            cp = self.rec.begin(enc) if self.rec is not None and ts is None else enc.begin_compute_pass(
+                timestamp_writes=ts)
         if wide is not None:
             self._dispatch(cp, *wide)
         self._dispatch(cp, self.p_inv["direct"][0], bg_slots, self.grids["edges"])
@@ -648,14 +645,13 @@ class DeviceRuntime:
         with device_errors(f"{fn} ({self.geometry['kernel']} kernel)", Tq=self.Tq, edges=self.emax):
             # a device call's results: the combine writes them into the result buffer itself, and
             # (decode) psa_handoff.wgsl the error words
-            # host results of a layer (not of a whole MSA layer, whose index branch may hold a
-            # pass open where the inputs' copies would go): through the pinned memory if any
+            # host results of an attention layer (a whole MSA layer's are read back): through
+            # the pinned memory if any
             hio = self._host_io() if not device_out and sparse is None else None
             block = hio.take() if hio is not None else None
             res_buf = self._result_buffer() if device_out else (block.buffer if block is not None else None)
             bg_merge = self._merge_into(res_buf) if res_buf is not None else None
             handoff = self._handoff(res_buf) if res_buf is not None and self.decode and not timed else None
-            self.call_io = hio
             batch = open_batch(self.ctx) if batched else None
             enc = batch.encoder if batched else dev.create_command_encoder(label="paged_sparse_attn.layer")
             try:
@@ -682,8 +678,6 @@ class DeviceRuntime:
                 if block is not None:
                     hio.put(block)
                 raise
-            finally:
-                self.call_io = None
             if batched:
                 batch.recording = False
             t1 = time.perf_counter()

@@ -5,7 +5,9 @@ and two deque operations per call, so that an error the call reports is raised b
 layer records three dispatches of three calls each per layer, and the plan's loop is bound by
 the host on wgpu-native (118 µs of calls per layer on the H200 against 99 µs of GPU work), so
 the planned layer records its dispatches (pipeline, bind group, grid) straight through the C
-functions of both runtimes.
+functions of both runtimes, and a decode layer's untimed pass is begun and ended there too
+(wgpu-py's ``begin_compute_pass`` builds its descriptor, label and pass object per call: 13 µs
+of a decode ``forward()`` on the H200 through Dawn, 2026-12-03).
 
 Nothing is lost by it: a compute pass's commands are validated when the command encoder
 finishes (wgpu-native reports a dispatch with an incompatible bind group from
@@ -23,17 +25,52 @@ from typing import Any
 
 from ._runtime import Runtime
 
-__all__ = ["Recorder", "recorder"]
+__all__ = ["Pass", "Recorder", "recorder"]
+
+
+class Pass:
+    """An untimed compute pass begun through the C functions (``Recorder.begin``): what the
+    recorder's dispatches use of a pass (``_internal``), and ``end``, which ends and releases it."""
+
+    __slots__ = ("_end", "_internal", "_release")
+
+    def __init__(self, handle: Any, end: Any, release: Any):
+        self._internal = handle
+        self._end = end
+        self._release = release
+
+    def end(self) -> None:
+        h, self._internal = self._internal, None
+        if h is not None:
+            try:
+                self._end(h)
+            finally:
+                self._release(h)
+
+    def __del__(self) -> None:  # a pass left open by an error: its handle is still released
+        h, self._internal = self._internal, None
+        if h is not None:
+            self._release(h)
 
 
 @dataclass(frozen=True)
 class Recorder:
-    """The three C functions of a dispatch, and the NULL of the runtime's cffi."""
+    """The C functions of a dispatch and of an untimed pass, the NULL of the runtime's cffi, and
+    the pass descriptor (no label, no timestamps), made once."""
 
     set_pipeline: Any
     set_bind_group: Any
     dispatch: Any
     null: Any
+    begin_pass: Any = None
+    end_pass: Any = None
+    release_pass: Any = None
+    pass_desc: Any = None
+
+    def begin(self, encoder: Any) -> Pass:
+        """An untimed compute pass of ``encoder`` (a wgpu-py command encoder); end it with
+        ``Pass.end``. Errors of what it records are reported when the encoder finishes."""
+        return Pass(self.begin_pass(encoder._internal, self.pass_desc), self.end_pass, self.release_pass)
 
     def dispatch3(self, cp: Any, pipeline: Any, bind_group: Any, x: int, y: int) -> None:
         """Record, in compute pass ``cp``: ``pipeline``, ``bind_group`` at index 0 (no dynamic
@@ -51,5 +88,7 @@ def recorder(runtime: Runtime) -> Recorder | None:
         return None
     mod = importlib.import_module(runtime.c_module)
     lib, ffi = mod.lib, mod.ffi
+    desc = ffi.new("WGPUComputePassDescriptor *")  # zeroed: no chain, an empty label, no timestamps
     return Recorder(lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
-                    lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
+                    lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL, lib.wgpuCommandEncoderBeginComputePass,
+                    lib.wgpuComputePassEncoderEnd, lib.wgpuComputePassEncoderRelease, desc)

@@ -210,15 +210,15 @@ class CallResult:
 
 
 def lse_from_ml(ml: np.ndarray) -> np.ndarray:
-    """Natural-log LSE from the combine's ``(m, l)`` rows: ``m + ln l``, ``-inf`` where ``l = 0``
-    (a NaN ``l``, from NaN or Inf in attended data, gives NaN, as in the reference)."""
-    l = ml[:, 1].astype(np.float64)
-    empty = l == 0
+    """Natural-log LSE from the combine's ``(m, l)`` rows: ``m + ln l`` in float32, as the
+    reference's combine forms it (``_combine.py``), ``-inf`` where ``l = 0`` (a NaN ``l``, from
+    NaN or Inf in attended data, gives NaN, as in the reference)."""
+    l = ml[:, 1]
     with np.errstate(divide="ignore", invalid="ignore"):
-        np.log(l, out=l)  # in place: one float64 temporary per call, not four
-        np.add(ml[:, 0].astype(np.float64), l, out=l)  # (m first: the NaN a NaN m gives is m's)
-    l[empty] = -np.inf
-    return l.astype(np.float32)
+        lse = np.log(l)
+        np.add(ml[:, 0], lse, out=lse)  # (m first: the NaN a NaN m gives is m's)
+    lse[l == 0] = -np.inf
+    return lse
 
 
 def upload(backend, ctx, x: np.ndarray, label: str) -> WgpuTensor:
