@@ -1,0 +1,78 @@
+"""Experiment: block shapes of the GEMM ceiling's tiled kernel that ``GEMM_VARIANTS`` does not try.
+
+``psa_gemm_sgmat_tiled.wgsl`` as it is, with override constants outside the table of
+``_ceilings.GEMM_VARIANTS``: one-stage blocks with larger K steps or fewer subgroups (less
+workgroup memory, so that more workgroups may be resident), 256 x 128 in one stage, and the
+best block of the table with more padding per staged row. Each is timed and checked against the
+bound of float32 accumulation by the ceiling's own harness (``matmul_variants``), ``--rounds``
+times in turn on one Dawn device, beside the table's best (128 x 256, BK 32, one stage) and
+torch's bf16 matmul in the same process.
+
+    python scripts/experiment_gemm_shapes.py [--size 4096] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from paged_sparse_attn import registry
+from paged_sparse_attn.backends.wgpu._ceilings import (
+    GEMM_TILED_KERNEL,
+    _variant,
+    matmul_variants,
+)
+
+T = GEMM_TILED_KERNEL
+SHAPES = (
+    _variant(T, SGM=2, SGN=4, TM=4, TN=4, BK=32, STAGES=1),            # the table's best (reference)
+    _variant(T, SGM=4, SGN=2, TM=4, TN=4, BK=32, STAGES=1),            # 256 x 128, one stage (29 KiB)
+    _variant(T, SGM=2, SGN=2, TM=4, TN=4, BK=64, STAGES=1),            # 128 x 128, 4 subgroups, K 64 (35 KiB)
+    _variant(T, SGM=2, SGN=2, TM=4, TN=4, BK=32, STAGES=1),            # 128 x 128, 4 subgroups, one stage (19 KiB)
+    _variant(T, SGM=4, SGN=2, TM=2, TN=4, BK=64, STAGES=1),            # 128 x 128, 8 of 32 x 64, K 64 (35 KiB)
+    _variant(T, SGM=1, SGN=4, TM=4, TN=4, BK=32, STAGES=2),            # 64 x 256, 4 subgroups, two stages (43 KiB)
+    _variant(T, SGM=2, SGN=4, TM=4, TN=4, BK=16, STAGES=1),            # 128 x 256, K 16, one stage (13 KiB)
+    _variant(T, SGM=2, SGN=4, TM=4, TN=4, BK=32, STAGES=1, PAD=16),    # the best with 16 halves of padding
+    _variant(T, SGM=2, SGN=4, TM=4, TN=4, BK=32, STAGES=1, PAD=24),
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=10)
+    a = ap.parse_args()
+    ctx = registry.get_backend("dawn").device_context
+    print(f"device: {ctx.summary}; workgroup memory {ctx.workgroup_storage} B", flush=True)
+    rates: dict = {}
+    for r in range(a.rounds):
+        for row in matmul_variants(ctx, a.size, repeat=a.repeat, variants=SHAPES, seed=r):
+            if row["skipped"]:
+                print(f"  {row['name']}: skipped: {row['skipped']}", flush=True)
+                continue
+            rates.setdefault(row["name"], []).append((row["flop_per_s"] / 1e12, row["ok"]))
+            print(f"  round {r} {row['name']} ({row['workgroup_bytes']} B): {row['flop_per_s'] / 1e12:.1f} TFLOP/s "
+                  f"{'PASS' if row['ok'] else 'FAIL'} (max err {row['max_abs_err']:.2e}, bound {row['err_bound']:.2e})",
+                  flush=True)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from paged_sparse_attn.bench.peers import matmul_rate
+
+            tr = matmul_rate(a.size) / 1e12
+            print(f"torch bf16 matmul {a.size}^3: {tr:.1f} TFLOP/s", flush=True)
+            for name, xs in rates.items():
+                print(f"{name}: {' / '.join(f'{x:.1f}' for x, _ in xs)} TFLOP/s, "
+                      f"{max(x for x, _ in xs) / tr:.0%} of torch; all PASS: {all(ok for _, ok in xs)}", flush=True)
+    except ImportError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
