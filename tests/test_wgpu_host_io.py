@@ -85,8 +85,54 @@ def test_memory_the_device_refuses_gives_none_and_says_why():
 def test_plans_too_large_for_the_limit_get_none(null_io):
     io, _ = null_io
     ctx = SimpleNamespace(host_memory=True)
-    assert _host_io.host_io(ctx, _host_io.HOST_IO_BYTES // (1 + _host_io.LEND) + 1, []) is None
+    assert _host_io.host_io(ctx, _host_io.HOST_IO_MAX_BLOCK + 1, []) is None
     assert _host_io.host_io(SimpleNamespace(host_memory=False), 16, []) is None
+
+
+def test_large_blocks_are_lent_two_at_a_time():
+    """Blocks too large for LEND of them and the plan's own within HOST_IO_BYTES: two are lent at
+    a time (a loop ``out = forward(...)`` holds the last call's out during the next call: both
+    calls lend), and the plan's own block is made only when a call needs it."""
+    small = _host_io.HOST_IO_BYTES // (1 + _host_io.LEND)
+    assert _host_io.lendable(small) == _host_io.LEND
+    assert _host_io.lendable(small + 4096) == 2
+    assert _host_io.lendable(_host_io.HOST_IO_MAX_BLOCK) == 2
+    assert _host_io.lendable(_host_io.HOST_IO_MAX_BLOCK + 1) == 0
+    ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: _Memory), device=None, host_memory=True)
+    owner: list = []
+    io = _host_io.host_io(ctx, small + 4096, owner)
+    assert io is not None and io.lend == 2 and len(owner) == 1  # one lendable block, no own block yet
+    out = None
+    for _ in range(6):  # the loop: the last out alive while the next call takes its block
+        block = io.take()
+        assert block.lent
+        out = io.out(block, 64, (4, 4))
+        gc.collect()
+    assert len(owner) == 2  # two lendable blocks, never the own one
+    held = out
+    second = io.take()
+    assert second.lent
+    kept = io.out(second, 64, (4, 4))
+    assert io.take() is io.own and len(owner) == 3  # both lent blocks held: the own block, made now
+    del held, out, kept
+    gc.collect()
+    assert io.take().lent and len(owner) == 3  # back; nothing more made
+
+
+def test_large_host_queries_get_an_input_block_and_small_ones_none():
+    """A host q of INPUT_MIN_BYTES or more (up to HOST_IO_MAX_BLOCK) gets the plan's pinned input
+    block, which holds the array's bytes once written; smaller ones are written by the queue."""
+    ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: _Memory), device=None, host_memory=True)
+    owner: list = []
+    assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES - 4, owner) is None
+    assert _host_io.host_input(ctx, _host_io.HOST_IO_MAX_BLOCK + 4, owner) is None
+    assert _host_io.host_input(SimpleNamespace(host_memory=False), _host_io.INPUT_MIN_BYTES, owner) is None
+    assert owner == []
+    blk = _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, owner)
+    assert blk is not None and owner == [blk.buffer]
+    q = np.random.default_rng(0).standard_normal(_host_io.INPUT_MIN_BYTES // 4, dtype=np.float32).reshape(-1, 64)
+    blk.write(q)
+    assert blk.bytes[:q.nbytes].view(np.float32).reshape(q.shape).tobytes() == q.tobytes()
 
 
 @pytest.mark.psa_backends(exclude=("numpy",))
@@ -111,6 +157,28 @@ def test_results_held_across_calls_stay_intact(backend):
         assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
     again = psa.forward(qs[0], k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
     assert again[0].tobytes() == held[0][0].tobytes() and again[1].tobytes() == held[0][1].tobytes()
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+def test_queries_through_the_input_block_give_each_call_its_own_results(backend, monkeypatch):
+    """Prefill calls with a host q through the plan's pinned input block (the size threshold
+    lowered so that a small problem takes it, on a device that maps host memory; elsewhere q is
+    written by the queue): calls in turn with different queries, each equal to its reference,
+    the first call's results again when its q comes back."""
+    monkeypatch.setattr(_host_io, "INPUT_MIN_BYTES", 64)
+    pb = random_problem(5, seqlens_q=(7, 9), Hkv=2, G=2, D=32, page_size=8, ppb=2, msb=4, causal=True,
+                        dtype=np.float16, q_dtype=np.float32, poison=False)
+    k, v = backend.upload_kv_cache(pb.k_cache, pb.v_cache)
+    rng = np.random.default_rng(1)
+    qs = [rng.standard_normal(pb.q.shape, dtype=np.float32) for _ in range(3)]
+    got = [psa.forward(q, k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True) for q in qs]
+    rts = [p._runtime for p, *_ in _attention_plan._cache.values() if p.backend is backend]
+    assert any(getattr(r, "hin", None) is not None for r in rts) == backend.device_context.host_memory
+    for q, (out, lse) in zip(qs, got):
+        ref, ref_lse = psa.dense_reference(q, *pb.args[1:], **pb.options)
+        assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
+    again = psa.forward(qs[0], k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
+    assert again[0].tobytes() == got[0][0].tobytes() and again[1].tobytes() == got[0][1].tobytes()
 
 
 def test_a_spinning_wait_returns_after_the_submitted_work_on_a_runtime_that_cannot_poll(WgpuBackend):

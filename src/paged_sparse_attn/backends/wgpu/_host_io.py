@@ -9,22 +9,37 @@ the combine and the hand-over kernels themselves (no copy commands, no map or un
 waits for its submission, reads ``(m, l)`` and the error words, and returns ``out`` as an array
 over the block itself (no copy): the block is lent to the caller and taken back when the last
 array over it is gone (a finalizer on the array every view of it keeps alive). A plan lends at
-most ``LEND`` blocks at a time; past that, a call uses the plan's own block and copies ``out``
-out of it.
+most ``LEND`` blocks at a time (two, for plans whose blocks are large: below); past that, a
+call uses the plan's own block and copies ``out`` out of it.
 
 Measured on an H200 through Dawn (decode ``forward()``, 512 KiB in and out, with the polled
 wait of ``_transfer.wait_queue_spinning``): the wait for the submission 198 -> 152 us, reading
 the results 90 -> 41 us, the whole call 644 -> 501 us (``docs/benchmarks.md``, 2026-12-03).
-The inputs (``q``, ``selected``) are not staged here: copied into such memory by numpy and from
-there to the device by the layer's encoder, the GPU waited 17-19 us longer per call than for
-the same bytes written by ``queue.write_buffer`` (Dawn's own staging memory), in every process
-measured (``docs/benchmarks.md``, 2026-12-03 17:10 UTC), so a layer writes them.
+Inputs: a decode call's ``q`` and ``selected`` are not staged here: copied into such memory by
+numpy and from there to the device by the layer's encoder, the GPU waited 17-19 us longer per
+call than for the same bytes written by ``queue.write_buffer`` (Dawn's own staging memory), in
+every process measured (``docs/benchmarks.md``, 2026-12-03 17:10 UTC), so a layer writes them.
+A host ``q`` of ``INPUT_MIN_BYTES`` or more (a prefill's: 64 MiB for the bench's 4096 queries)
+is: Dawn's write of 64 MiB took 21 ms on the H200, numpy's copy of it 10 ms
+(``scripts/experiment_large_writes.py``, 2026-12-04). A call with a host ``q`` always waits
+for its submission (its results are host arrays), so the plan's one input block is free again
+when the next call writes it.
 
 The memory is only ever used by a call that waits for its submission before it returns (host
 results), and the backend's lock serialises calls, so a call never writes results the GPU is
-still using, and a lent block is never written while an array over it lives. Plans whose
-result blocks exceed ``HOST_IO_BYTES`` do without (pinned memory per plan is kept small; a
-prefill's copies are bound by the bus anyway).
+still using, and a lent block is never written while an array over it lives.
+
+Pinned memory per plan is bounded: a plan lends ``LEND`` blocks where its own block and those
+take at most ``HOST_IO_BYTES`` together (decode: 512 KiB blocks), else two, where a block
+takes at most ``HOST_IO_MAX_BLOCK`` (prefill: the bench's 4096 queries make 64 MiB blocks).
+Two, because a loop ``out = forward(...)`` still holds the last call's ``out`` while the next
+call runs: with one, every other call would copy its results out of the plan's own block. A
+plan makes one lendable block with its HostIO, the others and its own block when a call first
+needs them (a loop that drops each ``out`` before its next call but one never needs the own
+block: 128 MiB of pinned memory for the bench's prefill plan). On the H200 through Dawn a
+64 MiB result read back through a mapped buffer took 22 ms (a copy into the buffer, the map,
+the bytes copied out), the host's own copy of 64 MiB 10 ms
+(``scripts/experiment_large_writes.py``, 2026-12-04): a lent block copies nothing.
 """
 
 from __future__ import annotations
@@ -37,10 +52,22 @@ import numpy as np
 from ._runtime import gpu_error_types
 from ._webgpu import BufferUsage
 
-__all__ = ["HOST_IO_BYTES", "LEND", "HostIO", "host_io"]
+__all__ = ["HOST_IO_BYTES", "HOST_IO_MAX_BLOCK", "INPUT_MIN_BYTES", "LEND", "HostIO", "InputBlock", "host_input",
+           "host_io", "lendable"]
 
-HOST_IO_BYTES = 16 << 20  # every result block together, per plan
+HOST_IO_BYTES = 16 << 20  # a plan's own block and LEND lendable ones together, at most
+HOST_IO_MAX_BLOCK = 128 << 20  # the largest result block a plan keeps in host memory (lending two)
 LEND = 4  # result blocks a plan lends out at a time (arrays the caller still holds)
+INPUT_MIN_BYTES = 8 << 20  # a host q this large goes through the plan's pinned memory (above)
+
+
+def lendable(result_bytes: int) -> int:
+    """Blocks a plan with result blocks of ``result_bytes`` lends at a time: ``LEND`` where they
+    and the plan's own fit ``HOST_IO_BYTES``, else 2 up to ``HOST_IO_MAX_BLOCK``, else 0 (the
+    plan keeps no results in host memory)."""
+    if (1 + LEND) * result_bytes <= HOST_IO_BYTES:
+        return LEND
+    return 2 if result_bytes <= HOST_IO_MAX_BLOCK else 0
 
 
 class ResultBlock:
@@ -76,16 +103,25 @@ class HostIO:
         self.device = ctx.device
         self.owner = owner
         self.result_bytes = int(result_bytes)
-        self.own = ResultBlock(self, lent=False)
-        self._free: list[ResultBlock] = []  # lendable blocks no array refers to
-        self._made = 0  # lendable blocks made
+        self.lend = lendable(self.result_bytes)
+        self._own: ResultBlock | None = None
+        # the first lendable block now: memory the device refuses is found here, not mid-call
+        self._free: list[ResultBlock] = [ResultBlock(self, lent=True)]  # lendable, no array refers to
+        self._made = 1  # lendable blocks made
+
+    @property
+    def own(self) -> ResultBlock:
+        """The plan's own block (made when first used): results copied out of it."""
+        if self._own is None:
+            self._own = ResultBlock(self, lent=False)
+        return self._own
 
     def take(self) -> ResultBlock:
-        """A block for a call's results: a free lendable one, a new one (up to ``LEND``), else
-        the plan's own. A lendable block the call does not lend goes back with ``put``."""
+        """A block for a call's results: a free lendable one, a new one (up to ``self.lend``),
+        else the plan's own. A lendable block the call does not lend goes back with ``put``."""
         if self._free:
             return self._free.pop()
-        if self._made < LEND:
+        if self._made < self.lend:
             self._made += 1
             return ResultBlock(self, lent=True)
         return self.own
@@ -107,15 +143,61 @@ class HostIO:
         return flat.reshape(shape)
 
 
+class InputBlock:
+    """Pinned host memory of a plan's host ``q`` (see the module docstring): numpy copies the
+    array in, the layer's encoder copies it to the device.
+
+    Parameters
+    ----------
+    ctx : DeviceContext
+        Its runtime maps host memory (``ctx.host_memory``).
+    nbytes : int
+        Size of the input (float32 ``q`` [Tq, Hq, D]: ``4 Tq Hq D``).
+    owner : list
+        Where the buffer goes (the plan destroys it when it closes).
+    """
+
+    __slots__ = ("buffer", "bytes", "mem")
+
+    def __init__(self, ctx, nbytes: int, owner: list):
+        memory = ctx.runtime.host_memory_module()
+        mem = memory.allocate_host_memory(ctx.device, nbytes)
+        self.buffer = memory.create_buffer_from_host_memory(ctx.device, mem, usage=BufferUsage.COPY_SRC,
+                                                            label="plan.host_q")
+        owner.append(self.buffer)
+        self.mem = mem
+        self.bytes = np.frombuffer(mem, dtype=np.uint8)
+
+    def write(self, arr: np.ndarray) -> None:
+        """Copy the C-contiguous ``arr`` to the start of the block."""
+        self.bytes[:arr.nbytes] = arr.reshape(-1).view(np.uint8)
+
+
+def host_input(ctx, nbytes: int, owner: list) -> InputBlock | None:
+    """A plan's ``InputBlock`` for a host ``q`` of ``nbytes``, or None where the runtime cannot
+    map host memory, the input is below ``INPUT_MIN_BYTES`` or above ``HOST_IO_MAX_BLOCK``, or
+    the device refuses the memory (then with a ``RuntimeWarning`` saying why; the layer writes
+    ``q`` with ``write_buffer`` instead: the transport changes, never the values)."""
+    if not ctx.host_memory or not INPUT_MIN_BYTES <= nbytes <= HOST_IO_MAX_BLOCK:
+        return None
+    try:
+        return InputBlock(ctx, nbytes, owner)
+    except (*gpu_error_types(), ValueError, OSError) as exc:
+        warnings.warn(f"paged_sparse_attn: the device offers buffers of host memory but refused them "
+                      f"({type(exc).__name__}: {exc}); this plan writes its queries with write_buffer "
+                      "instead", RuntimeWarning, stacklevel=2)
+        return None
+
+
 def host_io(ctx, result_bytes: int, owner: list) -> HostIO | None:
     """A plan's ``HostIO``, or None where the runtime cannot map host memory or the plan's
-    result blocks exceed ``HOST_IO_BYTES``.
+    result blocks exceed ``HOST_IO_MAX_BLOCK``.
 
     A device that offers the feature but refuses the memory (a driver's limit on pinned memory,
     an alignment it reports wrongly) gives None with a ``RuntimeWarning`` that says why: the
     plan then reads its results back through a mapped buffer, the same results, as on a
     device without the feature (the transport changes, never the values)."""
-    if not ctx.host_memory or (1 + LEND) * result_bytes > HOST_IO_BYTES:
+    if not ctx.host_memory or not lendable(result_bytes):
         return None
     try:
         return HostIO(ctx, result_bytes, owner)

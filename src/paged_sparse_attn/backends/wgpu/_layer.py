@@ -48,7 +48,7 @@ from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
 from ._batch import drop, flush, open_batch
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
-from ._host_io import host_io
+from ._host_io import host_input, host_io
 from ._record import recorder
 from ._resident import MERGE_WG, merge_constants
 from ._tensors import CallResult, error_message, lse_from_ml
@@ -236,6 +236,8 @@ class DeviceRuntime:
         self.rb = self._buffer(self.o_bytes + self.ml_bytes + 8, U.MAP_READ | U.COPY_DST, "readback")
         self.hio = None  # pinned results of host calls (_host_io.py), made by the first
         self.hio_made = False  # (None where the device cannot map host memory)
+        self.hin = None  # pinned memory of a large host q (_host_io.InputBlock), made by the first
+        self.hin_made = False  # call with one (None where not taken)
         self.consts = self._buffer(5 * align, U.UNIFORM | U.COPY_DST, "consts")
 
         # uniform records
@@ -392,11 +394,27 @@ class DeviceRuntime:
                 raise
 
     def _stage(self, enc, src, dst, nbytes: int, dtype) -> None:
-        """Copy a layer's tensor into a plan buffer: a device copy, or for a host array one write."""
+        """Copy a layer's tensor into a plan buffer: a device copy, or for a host array one write
+        (a large host ``q`` through the plan's pinned memory where the device maps host memory:
+        ``_host_io.py``; a call with a host ``q`` waits for its submission, so the memory is
+        free again at the next call)."""
         if isinstance(src, DeviceArray):
             enc.copy_buffer_to_buffer(src.buffer(), src.offset, dst, 0, nbytes)
         elif nbytes:
-            self.ctx.device.queue.write_buffer(dst, 0, np.ascontiguousarray(src, dtype=dtype))
+            arr = np.ascontiguousarray(src, dtype=dtype)
+            if dst is self.q and self._host_input(nbytes) is not None:
+                self.hin.write(arr)
+                enc.copy_buffer_to_buffer(self.hin.buffer, 0, dst, 0, nbytes)
+            else:
+                self.ctx.device.queue.write_buffer(dst, 0, arr)
+
+    def _host_input(self, nbytes: int):
+        """The plan's pinned memory for a host ``q`` of ``nbytes`` (``_host_io.host_input``),
+        made by the first call with one; None where it is not taken."""
+        if not self.hin_made:
+            self.hin_made = True
+            self.hin = host_input(self.ctx, nbytes, self.bufs)
+        return self.hin if self.hin is not None and nbytes <= self.hin.bytes.nbytes else None
 
     def _host_io(self):
         """The plan's pinned results (``_host_io.py``), made by the first call with host
