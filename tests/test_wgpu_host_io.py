@@ -78,8 +78,10 @@ def test_memory_the_device_refuses_gives_none_and_says_why():
             raise ValueError("The address and size of the memory must be multiples of 4096")
 
     ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: Refusing), device=None, host_memory=True)
-    with pytest.warns(RuntimeWarning, match="refused them .*multiples of 4096"):
+    with pytest.warns(RuntimeWarning, match="refused them .*multiples of 4096.*reads its results back"):
         assert _host_io.host_io(ctx, 64, []) is None
+    with pytest.warns(RuntimeWarning, match="refused them .*multiples of 4096.*writes its queries with write_buffer"):
+        assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, []) is None
 
 
 def test_plans_too_large_for_the_limit_get_none(null_io):

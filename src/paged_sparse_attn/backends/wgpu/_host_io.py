@@ -180,13 +180,7 @@ def host_input(ctx, nbytes: int, owner: list) -> InputBlock | None:
     ``q`` with ``write_buffer`` instead: the transport changes, never the values)."""
     if not ctx.host_memory or not INPUT_MIN_BYTES <= nbytes <= HOST_IO_MAX_BLOCK:
         return None
-    try:
-        return InputBlock(ctx, nbytes, owner)
-    except (*gpu_error_types(), ValueError, OSError) as exc:
-        warnings.warn(f"paged_sparse_attn: the device offers buffers of host memory but refused them "
-                      f"({type(exc).__name__}: {exc}); this plan writes its queries with write_buffer "
-                      "instead", RuntimeWarning, stacklevel=2)
-        return None
+    return _made_or_warned(lambda: InputBlock(ctx, nbytes, owner), "writes its queries with write_buffer")
 
 
 def host_io(ctx, result_bytes: int, owner: list) -> HostIO | None:
@@ -199,10 +193,18 @@ def host_io(ctx, result_bytes: int, owner: list) -> HostIO | None:
     device without the feature (the transport changes, never the values)."""
     if not ctx.host_memory or not lendable(result_bytes):
         return None
+    return _made_or_warned(lambda: HostIO(ctx, result_bytes, owner),
+                           "reads its results back through a mapped buffer")
+
+
+def _made_or_warned(make, instead: str):
+    """``make()``, or None with a ``RuntimeWarning`` naming the runtime's reason where the device
+    refuses host memory it offers (the plan then ``instead``: the transport changes, never the
+    values)."""
     try:
-        return HostIO(ctx, result_bytes, owner)
+        return make()
     except (*gpu_error_types(), ValueError, OSError) as exc:
         warnings.warn(f"paged_sparse_attn: the device offers buffers of host memory but refused them "
-                      f"({type(exc).__name__}: {exc}); this plan reads its results back through a "
-                      "mapped buffer instead", RuntimeWarning, stacklevel=2)
+                      f"({type(exc).__name__}: {exc}); this plan {instead} instead", RuntimeWarning,
+                      stacklevel=3)
         return None
