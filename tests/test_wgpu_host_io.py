@@ -84,8 +84,7 @@ def test_memory_the_device_refuses_gives_none_and_says_why():
         assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, []) is None
 
 
-def test_plans_too_large_for_the_limit_get_none(null_io):
-    io, _ = null_io
+def test_plans_too_large_for_the_limit_get_none():
     ctx = SimpleNamespace(host_memory=True)
     assert _host_io.host_io(ctx, _host_io.HOST_IO_MAX_BLOCK + 1, []) is None
     assert _host_io.host_io(SimpleNamespace(host_memory=False), 16, []) is None
@@ -162,17 +161,19 @@ def test_results_held_across_calls_stay_intact(backend):
 
 
 @pytest.mark.psa_backends(exclude=("numpy",))
-def test_queries_through_the_input_block_give_each_call_its_own_results(backend, monkeypatch):
+@pytest.mark.parametrize("q_dtype", [np.float32, np.float16])
+def test_queries_through_the_input_block_give_each_call_its_own_results(backend, monkeypatch, q_dtype):
     """Prefill calls with a host q through the plan's pinned input block (the size threshold
     lowered so that a small problem takes it, on a device that maps host memory; elsewhere q is
-    written by the queue): calls in turn with different queries, each equal to its reference,
-    the first call's results again when its q comes back."""
+    written by the queue), float32 and float16 (widened on the device from the block's copy):
+    calls in turn with different queries, each equal to its reference, the first call's results
+    again when its q comes back."""
     monkeypatch.setattr(_host_io, "INPUT_MIN_BYTES", 64)
     pb = random_problem(5, seqlens_q=(7, 9), Hkv=2, G=2, D=32, page_size=8, ppb=2, msb=4, causal=True,
                         dtype=np.float16, q_dtype=np.float32, poison=False)
     k, v = backend.upload_kv_cache(pb.k_cache, pb.v_cache)
     rng = np.random.default_rng(1)
-    qs = [rng.standard_normal(pb.q.shape, dtype=np.float32) for _ in range(3)]
+    qs = [rng.standard_normal(pb.q.shape, dtype=np.float32).astype(q_dtype) for _ in range(3)]
     got = [psa.forward(q, k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True) for q in qs]
     rts = [p._runtime for p, *_ in _attention_plan._cache.values() if p.backend is backend]
     assert any(getattr(r, "hin", None) is not None for r in rts) == backend.device_context.host_memory

@@ -19,11 +19,11 @@ Inputs: a decode call's ``q`` and ``selected`` are not staged here: copied into 
 numpy and from there to the device by the layer's encoder, the GPU waited 17-19 us longer per
 call than for the same bytes written by ``queue.write_buffer`` (Dawn's own staging memory), in
 every process measured (``docs/benchmarks.md``, 2026-12-03 17:10 UTC), so a layer writes them.
-A host ``q`` of ``INPUT_MIN_BYTES`` or more (a prefill's: 64 MiB for the bench's 4096 queries)
-is: Dawn's write of 64 MiB took 21 ms on the H200, numpy's copy of it 10 ms
-(``scripts/experiment_large_writes.py``, 2026-12-04). A call with a host ``q`` always waits
-for its submission (its results are host arrays), so the plan's one input block is free again
-when the next call writes it.
+A host ``q`` of ``INPUT_MIN_BYTES`` or more (a prefill's: 64 MiB for the bench's 4096 queries;
+float32, or float16 before the device widens it) is: Dawn's write of 64 MiB took 21 ms on the
+H200, numpy's copy of it 10 ms (``scripts/experiment_large_writes.py``, 2026-12-04). A call
+with a host ``q`` always waits for its submission (its results are host arrays), so the plan's
+one input block is free again when the next call writes it.
 
 The memory is only ever used by a call that waits for its submission before it returns (host
 results), and the backend's lock serialises calls, so a call never writes results the GPU is

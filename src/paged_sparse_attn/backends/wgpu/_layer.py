@@ -46,6 +46,7 @@ from ..._index import build_index_arrays, local_blocks, query_positions, run_sta
 from ..._layout import BatchLayout
 from ..._types import DeviceArray, KVOuterIndex
 from ...errors import SpecError, UnsupportedError
+from . import _host_io
 from ._batch import drop, flush, open_batch
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._host_io import host_input, host_io
@@ -409,11 +410,14 @@ class DeviceRuntime:
                 self.ctx.device.queue.write_buffer(dst, 0, arr)
 
     def _host_input(self, nbytes: int):
-        """The plan's pinned memory for a host ``q`` of ``nbytes`` (``_host_io.host_input``),
-        made by the first call with one; None where it is not taken."""
+        """The plan's pinned memory for a host ``q`` of ``nbytes`` (float32, or float16 before it
+        is widened; ``_host_io.host_input``), made for a float32 ``q`` by the first call with a
+        large one; None where it is not taken."""
+        if nbytes < _host_io.INPUT_MIN_BYTES:
+            return None
         if not self.hin_made:
             self.hin_made = True
-            self.hin = host_input(self.ctx, nbytes, self.bufs)
+            self.hin = host_input(self.ctx, self.Tq * self.Hq * self.D * 4, self.bufs)
         return self.hin if self.hin is not None and nbytes <= self.hin.bytes.nbytes else None
 
     def _host_io(self):
@@ -510,6 +514,9 @@ class DeviceRuntime:
                 enc.copy_buffer_to_buffer(x.buffer(), x.offset, src, 0, 2 * n)
             elif n % 2:  # writes move whole words: the last half's word padded
                 self.ctx.device.queue.write_buffer(src, 0, np.append(x.reshape(-1), np.float16(0)))
+            elif role == "q" and self._host_input(2 * n) is not None:  # (a large q: as _stage does)
+                self.hin.write(x)
+                enc.copy_buffer_to_buffer(self.hin.buffer, 0, src, 0, 2 * n)
             else:
                 self.ctx.device.queue.write_buffer(src, 0, x)  # (C-contiguous: validated)
         pipe, bgl, grid = hit
