@@ -35,13 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _cpu() -> int:
-    """The CPU this thread last ran on (Linux; -1 elsewhere)."""
-    try:
-        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
-    except (OSError, IndexError, ValueError):
-        return -1
+from experiment_forward_host_io import _cpu  # the CPU this thread last ran on
 
 
 def _py_loop_ns(n: int = 200_000) -> float:

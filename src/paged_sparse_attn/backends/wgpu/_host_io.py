@@ -70,18 +70,27 @@ def lendable(result_bytes: int) -> int:
     return 2 if result_bytes <= HOST_IO_MAX_BLOCK else 0
 
 
-class ResultBlock:
+class _Pinned:
+    """Page-aligned host memory of ``nbytes`` (``mem``, and ``bytes`` over it) and the buffer the
+    device makes of it (``buffer``, appended to ``owner``, which the plan destroys)."""
+
+    __slots__ = ("buffer", "bytes", "mem")
+
+    def __init__(self, memory, device, nbytes: int, usage: int, label: str, owner: list):
+        self.mem = memory.allocate_host_memory(device, max(nbytes, 16))
+        self.buffer = memory.create_buffer_from_host_memory(device, self.mem, usage=usage, label=label)
+        owner.append(self.buffer)
+        self.bytes = np.frombuffer(self.mem, dtype=np.uint8)
+
+
+class ResultBlock(_Pinned):
     """Host memory of one call's results and the buffer over it."""
 
-    __slots__ = ("buffer", "bytes", "lent", "mem")
+    __slots__ = ("lent",)
 
     def __init__(self, io: HostIO, lent: bool):
-        mem = io.memory.allocate_host_memory(io.device, max(io.result_bytes, 16))
-        self.buffer = io.memory.create_buffer_from_host_memory(
-            io.device, mem, usage=BufferUsage.STORAGE | BufferUsage.COPY_DST, label="plan.host_results")
-        io.owner.append(self.buffer)
-        self.mem = mem
-        self.bytes = np.frombuffer(mem, dtype=np.uint8)
+        super().__init__(io.memory, io.device, io.result_bytes, BufferUsage.STORAGE | BufferUsage.COPY_DST,
+                         "plan.host_results", io.owner)
         self.lent = lent
 
 
@@ -143,7 +152,7 @@ class HostIO:
         return flat.reshape(shape)
 
 
-class InputBlock:
+class InputBlock(_Pinned):
     """Pinned host memory of a plan's host ``q`` (see the module docstring): numpy copies the
     array in, the layer's encoder copies it to the device.
 
@@ -157,16 +166,11 @@ class InputBlock:
         Where the buffer goes (the plan destroys it when it closes).
     """
 
-    __slots__ = ("buffer", "bytes", "mem")
+    __slots__ = ()
 
     def __init__(self, ctx, nbytes: int, owner: list):
-        memory = ctx.runtime.host_memory_module()
-        mem = memory.allocate_host_memory(ctx.device, nbytes)
-        self.buffer = memory.create_buffer_from_host_memory(ctx.device, mem, usage=BufferUsage.COPY_SRC,
-                                                            label="plan.host_q")
-        owner.append(self.buffer)
-        self.mem = mem
-        self.bytes = np.frombuffer(mem, dtype=np.uint8)
+        super().__init__(ctx.runtime.host_memory_module(), ctx.device, nbytes, BufferUsage.COPY_SRC, "plan.host_q",
+                         owner)
 
     def write(self, arr: np.ndarray) -> None:
         """Copy the C-contiguous ``arr`` to the start of the block."""

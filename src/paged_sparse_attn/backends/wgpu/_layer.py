@@ -19,7 +19,9 @@ pipeline a layer needs. A layer then encodes
    for a host ``q`` into a block of host memory the GPU maps, lent to the caller as ``out``
    (``_host_io.py``: where the device makes such buffers and the plan is small), else copied
    into the plan's readback buffer, mapped once. Host ``q`` and ``selected`` are written with
-   one ``queue.write_buffer`` each (measured faster than staging them in pinned memory).
+   one ``queue.write_buffer`` each (measured faster than staging them in pinned memory), but a
+   host ``q`` of ``_host_io.INPUT_MIN_BYTES`` or more (prefill), which is copied into the plan's
+   pinned memory and from there by the encoder, where the device maps host memory.
 
 A layer whose every per-call tensor is a device array is recorded into the device's open batch
 (``_batch.open_batch``) instead of an encoder of its own, and submitted with the layers around
@@ -403,11 +405,19 @@ class DeviceRuntime:
             enc.copy_buffer_to_buffer(src.buffer(), src.offset, dst, 0, nbytes)
         elif nbytes:
             arr = np.ascontiguousarray(src, dtype=dtype)
-            if dst is self.q and self._host_input(nbytes) is not None:
-                self.hin.write(arr)
-                enc.copy_buffer_to_buffer(self.hin.buffer, 0, dst, 0, nbytes)
-            else:
+            if not (dst is self.q and self._through_pinned(enc, arr, dst)):
                 self.ctx.device.queue.write_buffer(dst, 0, arr)
+
+    def _through_pinned(self, enc, arr: np.ndarray, dst) -> bool:
+        """Copy the host ``q`` (C-contiguous ``arr``: float32, or float16 before it is widened)
+        into the plan's pinned memory and record its copy into ``dst``; False (nothing done)
+        where it does not go that way (``_host_input``)."""
+        blk = self._host_input(arr.nbytes)
+        if blk is None:
+            return False
+        blk.write(arr)
+        enc.copy_buffer_to_buffer(blk.buffer, 0, dst, 0, arr.nbytes)
+        return True
 
     def _host_input(self, nbytes: int):
         """The plan's pinned memory for a host ``q`` of ``nbytes`` (float32, or float16 before it
@@ -514,10 +524,7 @@ class DeviceRuntime:
                 enc.copy_buffer_to_buffer(x.buffer(), x.offset, src, 0, 2 * n)
             elif n % 2:  # writes move whole words: the last half's word padded
                 self.ctx.device.queue.write_buffer(src, 0, np.append(x.reshape(-1), np.float16(0)))
-            elif role == "q" and self._host_input(2 * n) is not None:  # (a large q: as _stage does)
-                self.hin.write(x)
-                enc.copy_buffer_to_buffer(self.hin.buffer, 0, src, 0, 2 * n)
-            else:
+            elif not (role == "q" and self._through_pinned(enc, x, src)):  # (a large q: as _stage does)
                 self.ctx.device.queue.write_buffer(src, 0, x)  # (C-contiguous: validated)
         pipe, bgl, grid = hit
         bg = self._cached(("widen", src.uid, dst.uid), lambda: self._bg(bgl, [{"buffer": src}, {"buffer": dst}]))

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,8 +224,6 @@ class _DawnWorkDone:
         self.status = int(status)
 
     def wait(self, queue, spin_s: float) -> None:
-        import time
-
         self.status = None
         w = self.wait_info
         w.future.id = self.libf.wgpuQueueOnSubmittedWorkDone(queue._internal, self.info[0]).id
