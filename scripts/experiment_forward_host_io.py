@@ -22,9 +22,11 @@ host's pace, which changes between processes and over seconds, is shared): the l
 (``lib``), and two earlier transports put back for the comparison: ``pinnedin`` (``q`` and
 ``selected`` copied into pinned host memory by numpy and from there by the layer's encoder, the
 plan's transport before 2026-12-03 17:00), ``promise`` (the polled wait through wgpudawn's
-promise per wait, ``on_submitted_work_done_async``, as before 2026-12-03 17:00) and ``pypass``
-(the layer's pass begun through wgpu-py's ``begin_compute_pass``, as before 2026-12-03 17:40). Per variant: the
-median over rounds of each round's median wall time per call, and the runtime's stage medians.
+promise per wait, ``on_submitted_work_done_async``, as before 2026-12-03 17:00), ``pypass``
+(the layer's pass begun through wgpu-py's ``begin_compute_pass``, as before 2026-12-03 17:40) and
+``pyenc`` (the layer's encoder made, finished and submitted through wgpu-py's methods, as before
+2026-12-04 02:00). Per variant: the median over rounds of each round's median wall time per
+call, and the runtime's stage medians.
 """
 
 from __future__ import annotations
@@ -162,12 +164,17 @@ def ab(rounds: int) -> None:
     be = type(psa.get_backend("dawn"))()
     rt = be.device_context.runtime
     lib_stage, lib_poll, lib_begin = _layer.DeviceRuntime._stage, rt.poll_work_done, _record.Recorder.begin
+    lib_encodes = _record.Recorder.encodes
 
     def py_begin(self, enc):
         return enc.begin_compute_pass()
 
-    variants = {"lib": (lib_stage, lib_poll, lib_begin), "pinnedin": (_pinned_stage(lib_stage), lib_poll, lib_begin),
-                "promise": (lib_stage, _promise_poll, lib_begin), "pypass": (lib_stage, lib_poll, py_begin)}
+    py_encodes = property(lambda self: False)
+    variants = {"lib": (lib_stage, lib_poll, lib_begin, lib_encodes),
+                "pinnedin": (_pinned_stage(lib_stage), lib_poll, lib_begin, lib_encodes),
+                "promise": (lib_stage, _promise_poll, lib_begin, lib_encodes),
+                "pypass": (lib_stage, lib_poll, py_begin, lib_encodes),
+                "pyenc": (lib_stage, lib_poll, lib_begin, py_encodes)}
     rng = np.random.default_rng(0)
     qs = [rng.standard_normal(prob["q"].shape, dtype=np.float32) for _ in range(32)]
     k, v = be.upload_kv_cache(prob["k_cache"], prob["v_cache"])
@@ -177,9 +184,10 @@ def ab(rounds: int) -> None:
     splits: dict = {n: {} for n in variants}
     outs = {}
     for r in range(rounds + 1):
-        for name, (stage, poll, begin) in variants.items():
+        for name, (stage, poll, begin, encodes) in variants.items():
             _layer.DeviceRuntime._stage = stage
             _record.Recorder.begin = begin
+            _record.Recorder.encodes = encodes
             object.__setattr__(rt, "poll_work_done", poll)
             ts = []
             for i in range(64):
@@ -199,6 +207,7 @@ def ab(rounds: int) -> None:
                 cpus[name].append(_cpu())
     _layer.DeviceRuntime._stage = lib_stage
     _record.Recorder.begin = lib_begin
+    _record.Recorder.encodes = lib_encodes
     object.__setattr__(rt, "poll_work_done", lib_poll)
     for name in variants:
         med = {a: round(float(np.median(b)) * 1e6, 1) for a, b in splits[name].items()}

@@ -30,6 +30,8 @@ import threading
 import weakref
 from typing import Any
 
+from ._record import recorder
+
 __all__ = ["Batch", "DeviceView", "FlushingQueue", "drop", "flush", "open_batch", "retire"]
 
 # buffers whose destruction waits for the open batches (finalizers run at any time; a command a
@@ -70,6 +72,16 @@ class FlushingQueue:
         flush(self._ctx)
         self._ctx.queue_idle = False
         self._queue.submit(command_buffers)
+
+    def submit_encoder(self, encoder, rec=None) -> None:
+        """Finish ``encoder`` and submit it, through ``rec`` (a ``_record.Recorder`` that
+        encodes) where given, else through wgpu-py."""
+        flush(self._ctx)
+        self._ctx.queue_idle = False
+        if rec is not None and rec.encodes:
+            rec.submit(self._queue, encoder)
+        else:
+            self._queue.submit([encoder.finish()])
 
     def write_buffer(self, *args, **kwargs) -> None:
         flush(self._ctx)
@@ -115,7 +127,9 @@ def open_batch(ctx: Any) -> Batch:
     """The device's open batch (a new encoder when there is none)."""
     b = ctx.batch
     if b is None:
-        b = Batch(ctx.device.raw.create_command_encoder(label="paged_sparse_attn.layers"))
+        rec = recorder(ctx.runtime)  # (its checked C calls: _record.py)
+        b = Batch(rec.encoder(ctx.device.raw) if rec is not None and rec.encodes
+                  else ctx.device.raw.create_command_encoder(label="paged_sparse_attn.layers"))
         with _state:
             ctx.batch = b
             _open[id(ctx)] = ctx
@@ -140,7 +154,11 @@ def flush(ctx: Any) -> None:
     if b is not None:
         try:
             ctx.queue_idle = False
-            ctx.device.raw.queue.submit([b.encoder.finish()])
+            rec = recorder(ctx.runtime)
+            if rec is not None and rec.encodes:
+                rec.submit(ctx.device.raw.queue, b.encoder)
+            else:
+                ctx.device.raw.queue.submit([b.encoder.finish()])
         except BaseException as exc:
             b.failed = exc
             raise

@@ -685,7 +685,9 @@ class DeviceRuntime:
             bg_merge = self._merge_into(res_buf) if res_buf is not None else None
             handoff = self._handoff(res_buf) if res_buf is not None and self.decode and not timed else None
             batch = open_batch(self.ctx) if batched else None
-            enc = batch.encoder if batched else dev.create_command_encoder(label="paged_sparse_attn.layer")
+            # (the encoder made, finished and submitted through the runtime's checked C calls)
+            enc = batch.encoder if batched else (self.rec.encoder(dev.raw) if self.rec is not None and self.rec.encodes
+                                                 else dev.create_command_encoder(label="paged_sparse_attn.layer"))
             try:
                 if batched:
                     batch.recording = True  # (a queue operation now would be a bug: _batch.flush raises)
@@ -714,7 +716,7 @@ class DeviceRuntime:
                 batch.recording = False
             t1 = time.perf_counter()
             if not batched:
-                dev.queue.submit([enc.finish()])
+                dev.queue.submit_encoder(enc, self.rec)
             else:
                 batch.layers += 1
                 # (an idle device starts at once: its first layer is not held for the next ones)

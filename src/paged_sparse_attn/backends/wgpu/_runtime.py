@@ -47,6 +47,10 @@ class Runtime:
     # the cffi module (``lib``, ``ffi``) whose C functions a planned layer records its dispatches
     # with (_record.py); "" = through wgpu-py's wrappers
     c_module: str = ""
+    # wgpu-py's module of the runtime's classes and checked C calls (``libf``: each raises the
+    # error the runtime reports during it), with which a planned layer makes its encoder and
+    # finishes and submits it (_record.py); "" = through wgpu-py's methods
+    api_module: str = ""
     instance_toggles: tuple[str, ...] = ()
     device_toggles: tuple[str, ...] = ()
     driver_hint: str = ""
@@ -260,7 +264,7 @@ def _dawn_poll_work_done(device, spin_s: float) -> None:
 WGPU_NATIVE = Runtime(
     name="wgpu", module="wgpu", extra="wgpu",
     subgroup_feature="subgroup", subgroup_directive="", trusted_modules=True, sgmat_feature=None,
-    c_module="wgpu.backends.wgpu_native._ffi",
+    c_module="wgpu.backends.wgpu_native._ffi", api_module="wgpu.backends.wgpu_native._api",
     driver_hint=("no Vulkan/Metal/D3D12 driver found: on Debian/Ubuntu apt-get install mesa-vulkan-drivers "
                  "(lavapipe) or install your GPU driver"),
 )
@@ -269,6 +273,7 @@ DAWN = Runtime(
     name="dawn", module="wgpudawn", extra="dawn",
     subgroup_feature="subgroups", subgroup_directive="enable subgroups;\n", trusted_modules=False,
     sgmat_feature="chromium-experimental-subgroup-matrix", work_done_wait=True, c_module="wgpudawn._lib",
+    api_module="wgpudawn.backends.dawn._api",
     # subgroup matrices are behind allow_unsafe_apis; Dawn offers no f16 on NVIDIA's Vulkan driver
     # without vulkan_enable_f16_on_nvidia (ignored elsewhere)
     instance_toggles=("allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"),
