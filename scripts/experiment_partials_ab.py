@@ -10,11 +10,15 @@ host picks the geometry as it does now, so a version must take the same override
 ``--rows LABEL=R`` caps that version's rows per work item at R (a kernel from before items of
 64 rows: ``--rev c74a2ef --rows 'at c74a2ef=32'``); ``--npw LABEL=N`` runs that version on N
 workgroups that loop over the items (``NPW``), and ``N = 0`` one workgroup per item, without the
-``NPW`` constant (a kernel from before persistent workgroups: ``--rev 66a91ec --npw 'at 66a91ec=0'``).
+``NPW`` constant (a kernel from before persistent workgroups: ``--rev 66a91ec --npw 'at 66a91ec=0'``);
+``--geometry LABEL=R:TK:NSG`` runs that version with R rows per item, TK keys per K/V tile and NSG
+subgroups (the kernel's rules must hold: ``_sgmat._fits``), the positions per softmax lane as the
+host picks them (``--geometry 'rows 48=48:64:12'``: a version labelled ``rows 48`` is the working
+tree's kernel again, the host's pick is what differs).
 Run on a machine with Dawn and f16 subgroup matrices:
 
     python scripts/experiment_partials_ab.py --rev e603a7a [--variant LABEL=DIR] [--rows LABEL=R] [--npw LABEL=N]
-        [--rounds 2] [--calls 4]
+        [--geometry LABEL=R:TK:NSG] [--rounds 2] [--calls 4]
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ def versions(revs: list[str], folders: list[str]) -> dict[str, str]:
     return out
 
 
+def _forced(ctx, D: int, block_size: int, R: int, TK: int, nsg: int):
+    """``_sgmat._candidates``'s answer for the geometry R, TK, NSG (BK as the host rounds it);
+    SystemExit where the kernel's rules or the device's workgroup memory refuse it."""
+    WG = _sgmat.SUBGROUP * nsg
+    sl = max(1, WG // R)
+    need = max(-(-block_size // sl), -(-TK // sl))
+    BK = sl * next((c for c in _sgmat.NK_CHOICES if c >= need), 2 * _sgmat.NK_CHOICES[-1])
+    if BK % TK or not _sgmat._fits(D, R, TK, BK, nsg) or _sgmat.sgmat_workgroup_bytes(D, R, BK) > ctx.workgroup_storage:
+        raise SystemExit(f"geometry R={R} TK={TK} NSG={nsg} (BK={BK}) does not fit the kernel or the device")
+    return R, TK, BK, WG
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", action="append", default=[], help="a git revision whose kernel to time (repeatable)")
@@ -57,12 +73,18 @@ def main() -> int:
     ap.add_argument("--rows", action="append", default=[], help="LABEL=R: at most R rows per work item for that version")
     ap.add_argument("--npw", action="append", default=[],
                     help="LABEL=N: N persistent workgroups for that version (0: one per item, no NPW constant)")
+    ap.add_argument("--geometry", action="append", default=[],
+                    help="LABEL=R:TK:NSG: that version (the working tree's kernel unless --rev/--variant names "
+                         "it) with R rows per item, TK keys per tile, NSG subgroups")
     ap.add_argument("--backend", default="dawn")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
     lw, prob, _, _ = li.layer_inputs("prefill")
     srcs = versions(a.rev, a.variant)
+    geos = {label: tuple(int(x) for x in g.split(":")) for label, _, g in (x.rpartition("=") for x in a.geometry)}
+    for label in geos:
+        srcs.setdefault(label, srcs["as it is"])
     row = _kernels.KERNEL_TABLE[BASE]
     res: dict = {}
     outs: dict = {}
@@ -77,6 +99,8 @@ def main() -> int:
                 cap = caps.get(label)
                 _sgmat._candidates = candidates if cap is None else (
                     lambda ctx, D, bs, rows, _c=cap: candidates(ctx, D, bs, min(rows, _c)))
+                if label in geos:
+                    _sgmat._candidates = lambda ctx, D, bs, rows, _g=geos[label]: _forced(ctx, D, bs, *_g)
                 npw = npws.get(label, npw0)
                 _sgmat.PERSISTENT_WORKGROUPS = npw or npw0
                 one_item_per_workgroup(not npw)
