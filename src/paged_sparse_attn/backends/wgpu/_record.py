@@ -20,7 +20,8 @@ A planned layer's encoder is made, finished and submitted through those checked 
 (``Recorder.encoder`` and ``Recorder.submit``: wgpu-py's ``libf``, each call of which raises the
 error the runtime reports during it, as wgpu-py's methods do), with descriptors made once:
 wgpu-py's methods build a descriptor, a label and a Python object per call (its encoder, finish
-and submission took 20.6 µs per call against 6.1 this way on Dawn's Null adapter, 2026-12-04).
+and submission took 20.6 µs per call against 6.1 this way on Dawn's Null adapter; on the H200 a
+decode ``forward()`` 556 against 598 µs in one process, ``docs/benchmarks.md``, 2026-12-04).
 The encoder is still wgpu-py's object (its methods, and its release when it is collected); the
 command buffer is released as soon as it is submitted.
 """
