@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,13 +36,16 @@ class _Memory:
         return SimpleNamespace(mem=mem, usage=usage, label=label)
 
 
+_ROOMY = _host_io.PinnedAccount(1 << 40)  # (an account that never refuses)
+
+
 @pytest.fixture
 def null_io():
     """A ``HostIO`` of 4 KiB result blocks, on stand-in memory."""
     runtime = SimpleNamespace(host_memory_module=lambda: _Memory)
     ctx = SimpleNamespace(runtime=runtime, device=None, host_memory=True)
     owner: list = []
-    return _host_io.HostIO(ctx, 4096, owner), owner
+    return _host_io.HostIO(ctx, 4096, owner, _host_io.PinnedAccount(1 << 30)), owner
 
 
 def test_a_lent_block_is_not_reused_while_any_view_of_its_array_lives(null_io):
@@ -79,15 +83,15 @@ def test_memory_the_device_refuses_gives_none_and_says_why():
 
     ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: Refusing), device=None, host_memory=True)
     with pytest.warns(RuntimeWarning, match="refused them .*multiples of 4096.*reads its results back"):
-        assert _host_io.host_io(ctx, 64, []) is None
+        assert _host_io.host_io(ctx, 64, [], _ROOMY) is None
     with pytest.warns(RuntimeWarning, match="refused them .*multiples of 4096.*writes its queries with write_buffer"):
-        assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, []) is None
+        assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, [], _ROOMY) is None
 
 
 def test_plans_too_large_for_the_limit_get_none():
     ctx = SimpleNamespace(host_memory=True)
-    assert _host_io.host_io(ctx, _host_io.HOST_IO_MAX_BLOCK + 1, []) is None
-    assert _host_io.host_io(SimpleNamespace(host_memory=False), 16, []) is None
+    assert _host_io.host_io(ctx, _host_io.HOST_IO_MAX_BLOCK + 1, [], _ROOMY) is None
+    assert _host_io.host_io(SimpleNamespace(host_memory=False), 16, [], _ROOMY) is None
 
 
 def test_large_blocks_are_lent_two_at_a_time():
@@ -101,7 +105,7 @@ def test_large_blocks_are_lent_two_at_a_time():
     assert _host_io.lendable(_host_io.HOST_IO_MAX_BLOCK + 1) == 0
     ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: _Memory), device=None, host_memory=True)
     owner: list = []
-    io = _host_io.host_io(ctx, small + 4096, owner)
+    io = _host_io.host_io(ctx, small + 4096, owner, _host_io.PinnedAccount(1 << 30))
     assert io is not None and io.lend == 2 and len(owner) == 1  # one lendable block, no own block yet
     out = None
     for _ in range(6):  # the loop: the last out alive while the next call takes its block
@@ -125,15 +129,53 @@ def test_large_host_queries_get_an_input_block_and_small_ones_none():
     block, which holds the array's bytes once written; smaller ones are written by the queue."""
     ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: _Memory), device=None, host_memory=True)
     owner: list = []
-    assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES - 4, owner) is None
-    assert _host_io.host_input(ctx, _host_io.HOST_IO_MAX_BLOCK + 4, owner) is None
-    assert _host_io.host_input(SimpleNamespace(host_memory=False), _host_io.INPUT_MIN_BYTES, owner) is None
+    assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES - 4, owner, _ROOMY) is None
+    assert _host_io.host_input(ctx, _host_io.HOST_IO_MAX_BLOCK + 4, owner, _ROOMY) is None
+    assert _host_io.host_input(SimpleNamespace(host_memory=False), _host_io.INPUT_MIN_BYTES, owner, _ROOMY) is None
     assert owner == []
-    blk = _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, owner)
+    blk = _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, owner, _ROOMY)
     assert blk is not None and owner == [blk.buffer]
     q = np.random.default_rng(0).standard_normal(_host_io.INPUT_MIN_BYTES // 4, dtype=np.float32).reshape(-1, 64)
     blk.write(q)
     assert blk.bytes[:q.nbytes].view(np.float32).reshape(q.shape).tobytes() == q.tobytes()
+
+
+def test_pinned_blocks_count_against_the_backends_limit_and_go_back_when_collected():
+    """Every pinned block is counted (whole pages) in the backend's account while it lives; a
+    block with no room is not made: the first result block (no HostIO), a later one (``take``
+    gives another free block, else None: the call reads back through a mapped buffer), an input
+    block (None: ``write_buffer``), all without a warning. Collected blocks give their pages back,
+    a lent one only when the last array over it is gone."""
+    ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: _Memory), device=None, host_memory=True)
+    acct = _host_io.PinnedAccount(2 * 8192)
+    io = _host_io.host_io(ctx, 5000, [], acct)  # blocks of two pages
+    assert io is not None and acct.used == 8192
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a limit the backend was given says nothing)
+        assert _host_io.host_io(ctx, 5000, [], _host_io.PinnedAccount(4096)) is None
+        assert _host_io.host_input(ctx, _host_io.INPUT_MIN_BYTES, [], acct) is None
+    a = io.take()
+    out_a = io.out(a, 64, (4, 4))
+    b = io.take()  # the second lendable block fills the account
+    assert b.lent and b is not a and acct.used == 2 * 8192
+    out_b = io.out(b, 64, (4, 4))
+    assert io.take() is None  # both lent, no room for a third or the own block
+    del out_b
+    gc.collect()
+    assert io.take() is b  # a free block needs no room
+    io.put(b)
+    del io, a, b
+    gc.collect()
+    assert acct.used == 8192  # the lent block a lives on under out_a
+    del out_a
+    gc.collect()
+    assert acct.used == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_max_host_bytes_must_be_an_int_of_zero_or_more(WgpuBackend, bad):
+    with pytest.raises(ValueError, match="max_host_bytes must be an int >= 0"):
+        WgpuBackend(max_host_bytes=bad)
 
 
 @pytest.mark.psa_backends(exclude=("numpy",))
@@ -182,6 +224,40 @@ def test_queries_through_the_input_block_give_each_call_its_own_results(backend,
         assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
     again = psa.forward(qs[0], k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
     assert again[0].tobytes() == got[0][0].tobytes() and again[1].tobytes() == got[0][1].tobytes()
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+def test_a_backends_plans_hold_no_more_pinned_memory_than_it_allows(backend):
+    """Backends of the same kind with room for no pinned block and for two: calls whose results
+    are all held read back through a mapped buffer where there is no room, each result the same
+    bits as the given backend's; the pinned memory never exceeds the limit (none at 0), and it
+    is all back once the backend is closed (which closes its cached plans) and the results are
+    dropped."""
+    from paged_sparse_attn.backends.wgpu._tensors import CallResult
+
+    pb = random_problem(3, seqlens_q=(1, 1, 1), Hkv=2, G=4, D=32, page_size=8, ppb=2, msb=4, causal=True,
+                        dtype=np.float16, q_dtype=np.float32, poison=False)
+    rng = np.random.default_rng(2)
+    qs = [rng.standard_normal(pb.q.shape, dtype=np.float32) for _ in range(_host_io.LEND + 2)]
+    k, v = backend.upload_kv_cache(pb.k_cache, pb.v_cache)
+    want = [psa.forward(q, k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True) for q in qs]
+    block = -(-CallResult.nbytes(*pb.q.shape) // _host_io.PAGE) * _host_io.PAGE
+    for limit in (0, 2 * block):
+        be = type(backend)(max_host_bytes=limit)
+        kb, vb = be.upload_kv_cache(pb.k_cache, pb.v_cache)
+        held = []
+        for q in qs:
+            held.append(psa.forward(q, kb, vb, *pb.args[3:], **pb.options, backend=be, return_lse=True))
+            assert be._pinned.used <= limit
+        if be.device_context.host_memory:
+            assert be._pinned.used == limit  # (the room is used: two blocks lent, then no more)
+        for (out, lse), (w_out, w_lse) in zip(held, want):
+            assert out.tobytes() == w_out.tobytes() and lse.tobytes() == w_lse.tobytes()
+        be.close()
+        assert not any(p.backend is be for p, *_ in _attention_plan._cache.values())
+        del held, out, lse
+        gc.collect()
+        assert be._pinned.used == 0
 
 
 def test_a_spinning_wait_returns_after_the_submitted_work_on_a_runtime_that_cannot_poll(WgpuBackend):

@@ -26,7 +26,7 @@ from ._validation import _fail, cache_dims, check_cache_layout, check_float_arra
 from .errors import UnsupportedError
 from .registry import resolve_backend
 
-__all__ = ["plan_attention", "AttentionPlan", "cached_plan", "forward_plan", "forward_planned"]
+__all__ = ["plan_attention", "AttentionPlan", "cached_plan", "drop_cached_plans", "forward_plan", "forward_planned"]
 
 
 def plan_attention(block_tables, cu_seqlens_q, used_kv_lens=None, *, block_size, page_size, num_q_heads,
@@ -315,6 +315,17 @@ def _own(layout: BatchLayout) -> tuple[BatchLayout, bytes, bytes]:
     bt, lens = L.block_tables.copy(), L.used_kv_lens.copy()
     return (dataclasses.replace(layout, layout=dataclasses.replace(L, block_tables=bt, used_kv_lens=lens)),
             bt.tobytes(), lens.tobytes())
+
+
+def drop_cached_plans(backend) -> None:
+    """Close and forget the cached plans of ``backend`` (its ``close()`` calls this: their
+    device is going, and what they hold, pinned host memory included, goes back now rather than
+    when later plans push them out of the cache)."""
+    with _cache_lock:
+        doomed = [key for key, (plan, _, _) in _cache.items() if plan.backend is backend]
+        plans = [_cache.pop(key)[0] for key in doomed]
+    for plan in plans:
+        plan.close()
 
 
 def cached_plan(layout: BatchLayout, backend) -> AttentionPlan:

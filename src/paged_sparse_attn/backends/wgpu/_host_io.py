@@ -40,10 +40,18 @@ block: 128 MiB of pinned memory for the bench's prefill plan). On the H200 throu
 64 MiB result read back through a mapped buffer took 22 ms (a copy into the buffer, the map,
 the bytes copied out), the host's own copy of 64 MiB 10 ms
 (``scripts/experiment_large_writes.py``, 2026-12-04): a lent block copies nothing.
+
+Pinned memory per backend is bounded too: the blocks of all its plans (a plan cache keeps up to
+eight) count against its ``max_host_bytes`` (``PinnedAccount``, default ``MAX_HOST_BYTES``,
+1 GiB), each from when it is made until it is collected (a plan drops its blocks when it closes;
+a lent block lives while an array over it does). A block with no room is not made: a call then
+uses another free block or the plan's own, else reads its results back through a mapped buffer;
+a large ``q`` is written with ``write_buffer``. The transport changes, never the values.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -52,13 +60,46 @@ import numpy as np
 from ._runtime import gpu_error_types
 from ._webgpu import BufferUsage
 
-__all__ = ["HOST_IO_BYTES", "HOST_IO_MAX_BLOCK", "INPUT_MIN_BYTES", "LEND", "HostIO", "InputBlock", "host_input",
-           "host_io", "lendable"]
+__all__ = ["HOST_IO_BYTES", "HOST_IO_MAX_BLOCK", "INPUT_MIN_BYTES", "LEND", "MAX_HOST_BYTES", "HostIO", "InputBlock",
+           "OverBudget", "PinnedAccount", "host_input", "host_io", "lendable"]
 
 HOST_IO_BYTES = 16 << 20  # a plan's own block and LEND lendable ones together, at most
 HOST_IO_MAX_BLOCK = 128 << 20  # the largest result block a plan keeps in host memory (lending two)
 LEND = 4  # result blocks a plan lends out at a time (arrays the caller still holds)
 INPUT_MIN_BYTES = 8 << 20  # a host q this large goes through the plan's pinned memory (above)
+# pinned memory a backend's plans hold together, at most, by default (``max_host_bytes``): eight
+# cached prefill plans of the bench's shape could otherwise pin 2 GiB of the host's memory
+MAX_HOST_BYTES = 1 << 30
+PAGE = 4096
+
+
+class OverBudget(Exception):
+    """A pinned block the backend's ``max_host_bytes`` leaves no room for (not an error: the
+    plan takes its other transport)."""
+
+
+class PinnedAccount:
+    """The pinned host memory a backend's plans hold (``used``, bytes) against its limit
+    (``limit``, ``max_host_bytes``). A block reserves its pages before its memory is made and
+    gives them back when it is collected (the plan drops its blocks when it closes; a lent block
+    lives as long as an array over it)."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> None:
+        """Count ``nbytes`` in; ``OverBudget`` (nothing counted) where they exceed the limit."""
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                raise OverBudget(f"{nbytes} bytes of pinned memory would exceed max_host_bytes={self.limit} "
+                                 f"({self.used} held)")
+            self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
 
 
 def lendable(result_bytes: int) -> int:
@@ -72,13 +113,21 @@ def lendable(result_bytes: int) -> int:
 
 class _Pinned:
     """Page-aligned host memory of ``nbytes`` (``mem``, and ``bytes`` over it) and the buffer the
-    device makes of it (``buffer``, appended to ``owner``, which the plan destroys)."""
+    device makes of it (``buffer``, appended to ``owner``, which the plan destroys), counted in
+    ``account`` while the block lives (``OverBudget`` where it has no room: nothing is made)."""
 
-    __slots__ = ("buffer", "bytes", "mem")
+    __slots__ = ("__weakref__", "buffer", "bytes", "mem")
 
-    def __init__(self, memory, device, nbytes: int, usage: int, label: str, owner: list):
-        self.mem = memory.allocate_host_memory(device, max(nbytes, 16))
-        self.buffer = memory.create_buffer_from_host_memory(device, self.mem, usage=usage, label=label)
+    def __init__(self, memory, device, nbytes: int, usage: int, label: str, owner: list, account: PinnedAccount):
+        pages = -(-max(nbytes, 16) // PAGE) * PAGE
+        account.reserve(pages)
+        try:
+            self.mem = memory.allocate_host_memory(device, max(nbytes, 16))
+            self.buffer = memory.create_buffer_from_host_memory(device, self.mem, usage=usage, label=label)
+        except BaseException:
+            account.release(pages)
+            raise
+        weakref.finalize(self, account.release, pages)
         owner.append(self.buffer)
         self.bytes = np.frombuffer(self.mem, dtype=np.uint8)
 
@@ -90,7 +139,7 @@ class ResultBlock(_Pinned):
 
     def __init__(self, io: HostIO, lent: bool):
         super().__init__(io.memory, io.device, io.result_bytes, BufferUsage.STORAGE | BufferUsage.COPY_DST,
-                         "plan.host_results", io.owner)
+                         "plan.host_results", io.owner, io.account)
         self.lent = lent
 
 
@@ -105,12 +154,17 @@ class HostIO:
         Size of a result block (``CallResult.nbytes``).
     owner : list
         Where the buffers made go (the plan destroys them when it closes).
+    account : PinnedAccount
+        The backend's pinned memory, which every block is counted in: the first lendable block
+        (made here) raises ``OverBudget`` where it has no room; a later block that has none is
+        not made (``take``).
     """
 
-    def __init__(self, ctx, result_bytes: int, owner: list):
+    def __init__(self, ctx, result_bytes: int, owner: list, account: PinnedAccount):
         self.memory = ctx.runtime.host_memory_module()
         self.device = ctx.device
         self.owner = owner
+        self.account = account
         self.result_bytes = int(result_bytes)
         self.lend = lendable(self.result_bytes)
         self._own: ResultBlock | None = None
@@ -125,15 +179,21 @@ class HostIO:
             self._own = ResultBlock(self, lent=False)
         return self._own
 
-    def take(self) -> ResultBlock:
+    def take(self) -> ResultBlock | None:
         """A block for a call's results: a free lendable one, a new one (up to ``self.lend``),
-        else the plan's own. A lendable block the call does not lend goes back with ``put``."""
+        else the plan's own; None where the one it would make has no room in the backend's
+        pinned memory (the call then reads its results back through a mapped buffer). A
+        lendable block the call does not lend goes back with ``put``."""
         if self._free:
             return self._free.pop()
-        if self._made < self.lend:
-            self._made += 1
-            return ResultBlock(self, lent=True)
-        return self.own
+        try:
+            if self._made < self.lend:
+                blk = ResultBlock(self, lent=True)
+                self._made += 1
+                return blk
+            return self.own
+        except OverBudget:
+            return None
 
     def put(self, block: ResultBlock) -> None:
         """Take back a lendable block (no array refers to it)."""
@@ -148,8 +208,17 @@ class HostIO:
         # a new array over the memory (not a view of block.bytes): the array every view and
         # reshape of it refers to as its base, so that it dies with the last of them
         flat = np.frombuffer(block.mem, dtype=np.float32, count=nbytes // 4)
-        weakref.finalize(flat, self._free.append, block)
+        # (through a weak reference: a plan that dropped its HostIO does not keep its free
+        # blocks, and their pinned memory, alive for as long as an array over a lent one lives)
+        weakref.finalize(flat, _give_back, weakref.ref(self), block)
         return flat.reshape(shape)
+
+
+def _give_back(io_ref, block: ResultBlock) -> None:
+    """A lent block whose last array is gone: free again in its HostIO, if that still lives."""
+    io = io_ref()
+    if io is not None:
+        io._free.append(block)
 
 
 class InputBlock(_Pinned):
@@ -164,32 +233,36 @@ class InputBlock(_Pinned):
         Size of the input (float32 ``q`` [Tq, Hq, D]: ``4 Tq Hq D``).
     owner : list
         Where the buffer goes (the plan destroys it when it closes).
+    account : PinnedAccount
+        The backend's pinned memory (``OverBudget`` where it has no room).
     """
 
     __slots__ = ()
 
-    def __init__(self, ctx, nbytes: int, owner: list):
+    def __init__(self, ctx, nbytes: int, owner: list, account: PinnedAccount):
         super().__init__(ctx.runtime.host_memory_module(), ctx.device, nbytes, BufferUsage.COPY_SRC, "plan.host_q",
-                         owner)
+                         owner, account)
 
     def write(self, arr: np.ndarray) -> None:
         """Copy the C-contiguous ``arr`` to the start of the block."""
         self.bytes[:arr.nbytes] = arr.reshape(-1).view(np.uint8)
 
 
-def host_input(ctx, nbytes: int, owner: list) -> InputBlock | None:
+def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount) -> InputBlock | None:
     """A plan's ``InputBlock`` for a host ``q`` of ``nbytes``, or None where the runtime cannot
-    map host memory, the input is below ``INPUT_MIN_BYTES`` or above ``HOST_IO_MAX_BLOCK``, or
-    the device refuses the memory (then with a ``RuntimeWarning`` saying why; the layer writes
-    ``q`` with ``write_buffer`` instead: the transport changes, never the values)."""
+    map host memory, the input is below ``INPUT_MIN_BYTES`` or above ``HOST_IO_MAX_BLOCK``, the
+    backend's pinned memory (``account``) has no room for it, or the device refuses the memory
+    (then with a ``RuntimeWarning`` saying why; the layer writes ``q`` with ``write_buffer``
+    instead: the transport changes, never the values)."""
     if not ctx.host_memory or not INPUT_MIN_BYTES <= nbytes <= HOST_IO_MAX_BLOCK:
         return None
-    return _made_or_warned(lambda: InputBlock(ctx, nbytes, owner), "writes its queries with write_buffer")
+    return _made_or_warned(lambda: InputBlock(ctx, nbytes, owner, account), "writes its queries with write_buffer")
 
 
-def host_io(ctx, result_bytes: int, owner: list) -> HostIO | None:
-    """A plan's ``HostIO``, or None where the runtime cannot map host memory or the plan's
-    result blocks exceed ``HOST_IO_MAX_BLOCK``.
+def host_io(ctx, result_bytes: int, owner: list, account: PinnedAccount) -> HostIO | None:
+    """A plan's ``HostIO``, or None where the runtime cannot map host memory, the plan's result
+    blocks exceed ``HOST_IO_MAX_BLOCK`` or the backend's pinned memory (``account``) has no room
+    for the first of them.
 
     A device that offers the feature but refuses the memory (a driver's limit on pinned memory,
     an alignment it reports wrongly) gives None with a ``RuntimeWarning`` that says why: the
@@ -197,7 +270,7 @@ def host_io(ctx, result_bytes: int, owner: list) -> HostIO | None:
     device without the feature (the transport changes, never the values)."""
     if not ctx.host_memory or not lendable(result_bytes):
         return None
-    return _made_or_warned(lambda: HostIO(ctx, result_bytes, owner),
+    return _made_or_warned(lambda: HostIO(ctx, result_bytes, owner, account),
                            "reads its results back through a mapped buffer")
 
 
@@ -207,6 +280,8 @@ def _made_or_warned(make, instead: str):
     values)."""
     try:
         return make()
+    except OverBudget:
+        return None  # (the limit the backend was given: no warning)
     except (*gpu_error_types(), ValueError, OSError) as exc:
         warnings.warn(f"paged_sparse_attn: the device offers buffers of host memory but refused them "
                       f"({type(exc).__name__}: {exc}); this plan {instead} instead", RuntimeWarning,

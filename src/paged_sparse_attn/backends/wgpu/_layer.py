@@ -363,6 +363,9 @@ class DeviceRuntime:
         destroy_all(self.bufs)
         self.bufs = []
         self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
+        # the pinned blocks go back to the backend's account when collected (a lent one when the
+        # last array over it is gone)
+        self.hio = self.hin = None
 
     def _live(self) -> None:
         if self.generation != self.be._generation or (not self.bufs and not self.empty):
@@ -427,7 +430,7 @@ class DeviceRuntime:
             return None
         if not self.hin_made:
             self.hin_made = True
-            self.hin = host_input(self.ctx, self.Tq * self.Hq * self.D * 4, self.bufs)
+            self.hin = host_input(self.ctx, self.Tq * self.Hq * self.D * 4, self.bufs, self.be._pinned)
         return self.hin if self.hin is not None and nbytes <= self.hin.bytes.nbytes else None
 
     def _host_io(self):
@@ -435,7 +438,7 @@ class DeviceRuntime:
         results; None where the device cannot map host memory or the plan is too large."""
         if not self.hio_made:
             self.hio_made = True
-            self.hio = host_io(self.ctx, CallResult.nbytes(self.Tq, self.Hq, self.D), self.bufs)
+            self.hio = host_io(self.ctx, CallResult.nbytes(self.Tq, self.Hq, self.D), self.bufs, self.be._pinned)
         return self.hio
 
     def _encode(self, enc, q, k, v, sel, *, attention: bool = True, groups=None, cp=None, bg_merge=None,

@@ -44,6 +44,7 @@ from ._device import (
     open_device,
     subgroup_size,
 )
+from ._host_io import MAX_HOST_BYTES, PinnedAccount
 from ._index_branch import IndexBranchMixin
 from ._kernels import all_trusted, pipeline
 from ._plan import (
@@ -143,6 +144,13 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
     timestamps : bool
         Record GPU time per kernel in :attr:`last_timings` (needs the ``timestamp-query``
         feature; ignored without it).
+    max_host_bytes : int
+        Pinned host memory this backend's plans may hold at once, on runtimes whose buffers can
+        be made of host memory (Dawn's ``host-mapped-pointer``): the result blocks of calls with
+        host arrays and the blocks of large host queries (``backends/wgpu/_host_io.py``). A
+        block past it is not made: that plan reads its results back through a mapped buffer, or
+        writes its queries with ``write_buffer``, the same results. Default 1 GiB (a decode plan
+        holds at most 16 MiB, the bench's prefill plan up to 259 MiB); 0: none.
     max_device_bytes : int, optional
         Device memory this backend may hold at once: resident caches, the reused scratch and
         the buffers of the call in progress. A call or upload that would exceed it is refused
@@ -181,7 +189,8 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                  timestamps: bool = False, max_device_bytes: int | None = None,
                  partials_kernel: str = "auto", runtime_checks: bool = False, batch_invariant: bool = False,
                  decode_workgroup_size: int | None = None, decode_prefetch: bool | None = None,
-                 scores_kernel: str = "auto", layers_per_submission: int = 4):
+                 scores_kernel: str = "auto", layers_per_submission: int = 4,
+                 max_host_bytes: int = MAX_HOST_BYTES):
         if power_preference not in ("high-performance", "low-power"):
             raise ValueError(f"{type(self).__name__}(): power_preference must be 'high-performance' or 'low-power', "
                              f"got {power_preference!r}")
@@ -208,6 +217,10 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
             raise ValueError(f"{type(self).__name__}(): layers_per_submission must be an int >= 1, "
                              f"got {layers_per_submission!r} [R36]")
         self._layers_per_submission = int(layers_per_submission)
+        if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, (int, np.integer)) \
+                or int(max_host_bytes) < 0:
+            raise ValueError(f"{type(self).__name__}(): max_host_bytes must be an int >= 0, got {max_host_bytes!r}")
+        self._pinned = PinnedAccount(int(max_host_bytes))  # pinned host memory of the plans (_host_io.py)
         self._kernel_override: str | None = None  # profile_forward(kernel=...)
         if max_device_bytes is not None and int(max_device_bytes) < 1:
             raise ValueError(f"{type(self).__name__}(): max_device_bytes must be >= 1, got {max_device_bytes}")
@@ -302,7 +315,11 @@ class WgpuBackend(ResidentMixin, ProfilingMixin, IndexBranchMixin, Backend):
                 raise
 
     def close(self) -> None:
-        """Release the device; resident arrays of this backend become unusable."""
+        """Release the device; resident arrays of this backend become unusable, and the plans
+        ``forward()`` cached for it are closed (their buffers and pinned host memory released)."""
+        from ..._attention_plan import drop_cached_plans
+
+        drop_cached_plans(self)  # (before this backend's lock: a plan takes its own lock first)
         with self._lock:
             ctx, self._ctx = self._ctx, None
             self._generation += 1
