@@ -11,7 +11,9 @@ MiB followed by a submission and a wait for the queue, median over ``--repeat`` 
 * ``pinned copy``: numpy copying them into a buffer of host memory the device maps (Dawn's
   ``host-mapped-pointer``, as ``_host_io.InputBlock``) and a copy command from there;
 * ``read back``: the way back, as a plan without host memory reads its results: a copy into a
-  mappable buffer, a submission, the map (its wait), the bytes copied out, the unmap.
+  mappable buffer, a submission, the map (its wait), the bytes copied out, the unmap;
+* ``numpy copy, N threads`` and ``pinned copy, N threads``: the two copies above split into N
+  page-aligned slices copied by N threads at once (numpy releases the GIL while it copies).
 
     python scripts/experiment_large_writes.py [--backend dawn] [--mib 64] [--repeat 7]
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from paged_sparse_attn import registry
 from paged_sparse_attn.backends.wgpu._transfer import map_read, wait_queue_spinning
 from paged_sparse_attn.backends.wgpu._webgpu import BufferUsage
+
+THREADS = (2, 4, 8)
 
 
 def main() -> int:
@@ -62,20 +67,35 @@ def main() -> int:
         rb.unmap()
         return out
 
+    pool = ThreadPoolExecutor(max(THREADS))
+
+    def threaded(dst_bytes: np.ndarray, threads: int) -> None:
+        raw = src.view(np.uint8)
+        step = -(-n // threads // 4096) * 4096  # (page-aligned slices)
+        for f in [pool.submit(np.copyto, dst_bytes[i:i + step], raw[i:i + step]) for i in range(0, n, step)]:
+            f.result()
+
     variants = {"one write": lambda: write(n), "numpy copy": lambda: np.copyto(host, src), "read back": read_back}
+    for t in THREADS:
+        variants[f"numpy copy, {t} threads"] = lambda t=t: threaded(host.view(np.uint8), t)
     if ctx.host_memory:
-        from paged_sparse_attn.backends.wgpu._host_io import InputBlock
+        from paged_sparse_attn.backends.wgpu._host_io import InputBlock, PinnedAccount
 
-        pin = InputBlock(ctx, n, [])
+        pin = InputBlock(ctx, n, [], PinnedAccount(n))
 
-        def pinned():
-            pin.write(src)
+        def pinned(threads: int = 1):
+            if threads == 1:
+                pin.write(src)
+            else:
+                threaded(pin.bytes, threads)
             enc = dev.create_command_encoder()
             enc.copy_buffer_to_buffer(pin.buffer, 0, dst, 0, n)
             dev.queue.submit([enc.finish()])
             wait_queue_spinning(ctx)
 
         variants["pinned copy"] = pinned
+        for t in THREADS:
+            variants[f"pinned copy, {t} threads"] = lambda t=t: pinned(t)
     for mib in (16, 4, 1):
         if (mib << 20) < n:
             variants[f"chunks of {mib} MiB"] = lambda c=mib << 20: write(c)
@@ -86,6 +106,8 @@ def main() -> int:
             f()
             if r:
                 times[name].append(time.perf_counter() - t)
+    if not np.array_equal(host, src):
+        raise SystemExit("a threaded copy lost bytes")
     back = np.frombuffer(dev.queue.read_buffer(dst, 0, n), dtype=np.float32)
     print(f"{ctx.summary} ({ctx.runtime.name}): {a.mib} MiB, median of {a.repeat} (ms, GB/s); "
           f"device copy equals the source: {bool(np.array_equal(back, src))}", flush=True)

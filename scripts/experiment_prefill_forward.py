@@ -1,7 +1,9 @@
 """Experiment: a prefill ``forward()`` with host arrays, through host memory the GPU maps (as the
 library runs it on Dawn since 2026-12-04: ``q`` copied into the plan's pinned memory, results
 written by the GPU into host memory) or as before (``q`` by ``write_buffer``, the results read
-back through a mapped buffer), and each half of the change alone.
+back through a mapped buffer), and each half of the change alone; and the library with its copy
+of ``q`` into pinned memory done by one thread (``q copied by one thread``: as before
+2026-12-04 02:20, when ``_host_io.copy_in`` began to split large copies among threads).
 
 The bench's prefill layer workload (B = 1, L = 32k, the last 4096 queries, causal, Hq = 32,
 Hkv = 4, D = 128, top-16 of 128-token blocks, float16 caches resident; ``q`` and ``out`` 64 MiB
@@ -36,7 +38,7 @@ def main() -> int:
     import _layer_inputs as li
 
     import paged_sparse_attn as psa
-    from paged_sparse_attn.backends.wgpu import _layer
+    from paged_sparse_attn.backends.wgpu import _host_io, _layer
 
     lw, prob, _, _ = li.layer_inputs("prefill", a.shape)
     lib_host_io, lib_host_input = _layer.host_io, _layer.host_input
@@ -45,8 +47,11 @@ def main() -> int:
         return None
 
     variants = {}
-    for name, hio, hin in (("library", lib_host_io, lib_host_input), ("q written", lib_host_io, none),
-                           ("results mapped", none, lib_host_input), ("both as before", none, none)):
+    threads = _host_io.COPY_THREADS
+    for name, hio, hin in (("library", lib_host_io, lib_host_input), ("q copied by one thread", lib_host_io,
+                                                                     lib_host_input),
+                           ("q written", lib_host_io, none), ("results mapped", none, lib_host_input),
+                           ("both as before", none, none)):
         be = type(psa.get_backend(a.backend))()
         k, v = be.upload_kv_cache(prob["k_cache"], prob["v_cache"])
 
@@ -62,10 +67,12 @@ def main() -> int:
             _layer.host_io, _layer.host_input = lib_host_io, lib_host_input
         rts = [p._runtime for p, *_ in psa._attention_plan._cache.values() if p.backend is be]
         variants[name] = {"call": call, "be": be, "first": first, "walls": [], "splits": {},
+                          "threads": 1 if name == "q copied by one thread" else threads,
                           "uses": (any(getattr(r, "hin", None) is not None for r in rts),
                                    any(getattr(r, "hio", None) is not None for r in rts))}
     for _ in range(a.rounds):
         for name, var in variants.items():
+            _host_io.COPY_THREADS = var["threads"]
             for _ in range(a.calls):
                 t = time.perf_counter()
                 out = var["call"]()
@@ -74,6 +81,7 @@ def main() -> int:
                     if isinstance(val, float):
                         var["splits"].setdefault(key, []).append(val)
                 del out
+    _host_io.COPY_THREADS = threads
     ref = next(iter(variants.values()))["first"]
     for name, var in variants.items():
         med = {key: round(float(np.median(val)) * 1e3, 2) for key, val in var["splits"].items()}

@@ -140,6 +140,17 @@ def test_large_host_queries_get_an_input_block_and_small_ones_none():
     assert blk.bytes[:q.nbytes].view(np.float32).reshape(q.shape).tobytes() == q.tobytes()
 
 
+@pytest.mark.parametrize("nbytes", [1, 4095, 3 * 4096 + 7, 64 * 4096])
+def test_large_copies_into_pinned_memory_in_slices_by_threads_copy_every_byte(monkeypatch, nbytes):
+    """``copy_in`` with its threshold lowered so that these sizes go in page-aligned slices by
+    threads (where the host has two CPUs or more): every byte, and nothing past the end."""
+    monkeypatch.setattr(_host_io, "COPY_MIN_BYTES", 1)
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 64, np.uint8)
+    _host_io.copy_in(dst[:nbytes], src)
+    assert dst[:nbytes].tobytes() == src.tobytes() and not dst[nbytes:].any()
+
+
 def test_pinned_blocks_count_against_the_backends_limit_and_go_back_when_collected():
     """Every pinned block is counted (whole pages) in the backend's account while it lives; a
     block with no room is not made: the first result block (no HostIO), a later one (``take``
