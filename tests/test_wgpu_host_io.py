@@ -189,13 +189,28 @@ def test_max_host_bytes_must_be_an_int_of_zero_or_more(WgpuBackend, bad):
         WgpuBackend(max_host_bytes=bad)
 
 
+def _decode_problem():
+    """Three one-query sequences on float16 caches (a decode call's shape, small)."""
+    return random_problem(3, seqlens_q=(1, 1, 1), Hkv=2, G=4, D=32, page_size=8, ppb=2, msb=4, causal=True,
+                          dtype=np.float16, q_dtype=np.float32, poison=False)
+
+
+def _each_correct_and_repeatable(backend, pb, k, v, qs, got) -> None:
+    """Each call's ``(out, lse)`` in ``got`` equal to the reference for its ``q``, and the first
+    call's bits again when its ``q`` comes back."""
+    for q, (out, lse) in zip(qs, got):
+        ref, ref_lse = psa.dense_reference(q, *pb.args[1:], **pb.options)
+        assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
+    again = psa.forward(qs[0], k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
+    assert again[0].tobytes() == got[0][0].tobytes() and again[1].tobytes() == got[0][1].tobytes()
+
+
 @pytest.mark.psa_backends(exclude=("numpy",))
 def test_results_held_across_calls_stay_intact(backend):
     """Decode calls with host arrays: the results of more calls than a plan lends blocks of host
     memory, all held at once, each equal to its own reference afterwards (on a device that maps
     host memory the plan lends them; elsewhere each call copies out of its readback buffer)."""
-    pb = random_problem(3, seqlens_q=(1, 1, 1), Hkv=2, G=4, D=32, page_size=8, ppb=2, msb=4, causal=True,
-                        dtype=np.float16, q_dtype=np.float32, poison=False)
+    pb = _decode_problem()
     k, v = backend.upload_kv_cache(pb.k_cache, pb.v_cache)
     rng = np.random.default_rng(0)
     qs = [rng.standard_normal(pb.q.shape, dtype=np.float32) for _ in range(2 * _host_io.LEND + 1)]
@@ -206,11 +221,7 @@ def test_results_held_across_calls_stay_intact(backend):
     assert lent == backend.device_context.host_memory
     if lent:
         assert all(not out.flags.owndata for out, _ in held[:_host_io.LEND])  # over the blocks: no copies
-    for q, (out, lse) in zip(qs, held):
-        ref, ref_lse = psa.dense_reference(q, *pb.args[1:], **pb.options)
-        assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
-    again = psa.forward(qs[0], k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
-    assert again[0].tobytes() == held[0][0].tobytes() and again[1].tobytes() == held[0][1].tobytes()
+    _each_correct_and_repeatable(backend, pb, k, v, qs, held)
 
 
 @pytest.mark.psa_backends(exclude=("numpy",))
@@ -230,11 +241,7 @@ def test_queries_through_the_input_block_give_each_call_its_own_results(backend,
     got = [psa.forward(q, k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True) for q in qs]
     rts = [p._runtime for p, *_ in _attention_plan._cache.values() if p.backend is backend]
     assert any(getattr(r, "hin", None) is not None for r in rts) == backend.device_context.host_memory
-    for q, (out, lse) in zip(qs, got):
-        ref, ref_lse = psa.dense_reference(q, *pb.args[1:], **pb.options)
-        assert_attention_close(out, ref, dtype=np.float16, lse=lse, ref_lse=ref_lse)
-    again = psa.forward(qs[0], k, v, *pb.args[3:], **pb.options, backend=backend, return_lse=True)
-    assert again[0].tobytes() == got[0][0].tobytes() and again[1].tobytes() == got[0][1].tobytes()
+    _each_correct_and_repeatable(backend, pb, k, v, qs, got)
 
 
 @pytest.mark.psa_backends(exclude=("numpy",))
@@ -246,8 +253,7 @@ def test_a_backends_plans_hold_no_more_pinned_memory_than_it_allows(backend):
     dropped."""
     from paged_sparse_attn.backends.wgpu._tensors import CallResult
 
-    pb = random_problem(3, seqlens_q=(1, 1, 1), Hkv=2, G=4, D=32, page_size=8, ppb=2, msb=4, causal=True,
-                        dtype=np.float16, q_dtype=np.float32, poison=False)
+    pb = _decode_problem()
     rng = np.random.default_rng(2)
     qs = [rng.standard_normal(pb.q.shape, dtype=np.float32) for _ in range(_host_io.LEND + 2)]
     k, v = backend.upload_kv_cache(pb.k_cache, pb.v_cache)

@@ -30,7 +30,7 @@ import threading
 import weakref
 from typing import Any
 
-from ._record import recorder
+from ._record import finish_and_submit, new_encoder, recorder
 
 __all__ = ["Batch", "DeviceView", "FlushingQueue", "drop", "flush", "open_batch", "retire"]
 
@@ -74,14 +74,11 @@ class FlushingQueue:
         self._queue.submit(command_buffers)
 
     def submit_encoder(self, encoder, rec=None) -> None:
-        """Finish ``encoder`` and submit it, through ``rec`` (a ``_record.Recorder`` that
-        encodes) where given, else through wgpu-py."""
+        """Finish ``encoder`` and submit it (through ``rec``, a ``_record.Recorder``, where
+        given: ``_record.finish_and_submit``)."""
         flush(self._ctx)
         self._ctx.queue_idle = False
-        if rec is not None and rec.encodes:
-            rec.submit(self._queue, encoder)
-        else:
-            self._queue.submit([encoder.finish()])
+        finish_and_submit(rec, self._queue, encoder)
 
     def write_buffer(self, *args, **kwargs) -> None:
         flush(self._ctx)
@@ -127,9 +124,7 @@ def open_batch(ctx: Any) -> Batch:
     """The device's open batch (a new encoder when there is none)."""
     b = ctx.batch
     if b is None:
-        rec = recorder(ctx.runtime)  # (its checked C calls: _record.py)
-        b = Batch(rec.encoder(ctx.device.raw) if rec is not None and rec.encodes
-                  else ctx.device.raw.create_command_encoder(label="paged_sparse_attn.layers"))
+        b = Batch(new_encoder(recorder(ctx.runtime), ctx.device.raw))  # (the runtime's checked C calls)
         with _state:
             ctx.batch = b
             _open[id(ctx)] = ctx
@@ -154,11 +149,7 @@ def flush(ctx: Any) -> None:
     if b is not None:
         try:
             ctx.queue_idle = False
-            rec = recorder(ctx.runtime)
-            if rec is not None and rec.encodes:
-                rec.submit(ctx.device.raw.queue, b.encoder)
-            else:
-                ctx.device.raw.queue.submit([b.encoder.finish()])
+            finish_and_submit(recorder(ctx.runtime), ctx.device.raw.queue, b.encoder)
         except BaseException as exc:
             b.failed = exc
             raise

@@ -52,7 +52,7 @@ from . import _host_io
 from ._batch import drop, flush, open_batch
 from ._device import PipelineCache, after_device_error, destroy_all, device_errors
 from ._host_io import host_input, host_io
-from ._record import recorder
+from ._record import new_encoder, recorder
 from ._resident import MERGE_WG, merge_constants
 from ._tensors import CallResult, error_message, lse_from_ml
 from ._transfer import map_read, read_ranges, wait_queue_spinning
@@ -689,8 +689,7 @@ class DeviceRuntime:
             handoff = self._handoff(res_buf) if res_buf is not None and self.decode and not timed else None
             batch = open_batch(self.ctx) if batched else None
             # (the encoder made, finished and submitted through the runtime's checked C calls)
-            enc = batch.encoder if batched else (self.rec.encoder(dev.raw) if self.rec is not None and self.rec.encodes
-                                                 else dev.create_command_encoder(label="paged_sparse_attn.layer"))
+            enc = batch.encoder if batched else new_encoder(self.rec, dev.raw)
             try:
                 if batched:
                     batch.recording = True  # (a queue operation now would be a bug: _batch.flush raises)

@@ -34,7 +34,7 @@ from typing import Any
 
 from ._runtime import Runtime
 
-__all__ = ["Pass", "Recorder", "recorder"]
+__all__ = ["Pass", "Recorder", "finish_and_submit", "new_encoder", "recorder"]
 
 
 class Pass:
@@ -121,6 +121,23 @@ class Recorder:
 
 
 LABEL = "paged_sparse_attn.layer"
+
+
+def new_encoder(rec: Recorder | None, device: Any) -> Any:
+    """A command encoder of ``device`` (wgpu-py's device object): through ``rec``'s checked C
+    calls where it encodes, else wgpu-py's ``create_command_encoder`` (same label)."""
+    if rec is not None and rec.encodes:
+        return rec.encoder(device)
+    return device.create_command_encoder(label=LABEL)
+
+
+def finish_and_submit(rec: Recorder | None, queue: Any, encoder: Any) -> None:
+    """Finish ``encoder`` and submit it to ``queue`` (wgpu-py's queue object): through ``rec``'s
+    checked C calls where it encodes, else wgpu-py's ``finish`` and ``submit``."""
+    if rec is not None and rec.encodes:
+        rec.submit(queue, encoder)
+    else:
+        queue.submit([encoder.finish()])
 _recorders: dict[str, Recorder] = {}
 
 
