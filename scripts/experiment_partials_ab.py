@@ -42,15 +42,15 @@ BASE = "psa_partials_sgmat.wgsl"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def versions(revs: list[str], folders: list[str]) -> dict[str, str]:
-    """{label: WGSL}: the working tree's kernel, then each revision's, then each folder's."""
-    out = {"as it is": original(BASE)}
+def versions(revs: list[str], folders: list[str], name: str = BASE) -> dict[str, str]:
+    """{label: WGSL} of kernel ``name``: the working tree's, then each revision's, then each folder's."""
+    out = {"as it is": original(name)}
     for rev in revs:
-        out[f"at {rev}"] = subprocess.run(["git", "show", f"{rev}:shaders/{BASE}"], cwd=ROOT, check=True,
+        out[f"at {rev}"] = subprocess.run(["git", "show", f"{rev}:shaders/{name}"], cwd=ROOT, check=True,
                                           capture_output=True, text=True).stdout
     for spec in folders:
         label, _, folder = spec.partition("=")
-        out[label] = (Path(folder) / BASE).read_text()
+        out[label] = (Path(folder) / name).read_text()
     return out
 
 
@@ -77,15 +77,17 @@ def main() -> int:
                     help="LABEL=R:TK:NSG: that version (the working tree's kernel unless --rev/--variant names "
                          "it) with R rows per item, TK keys per tile, NSG subgroups")
     ap.add_argument("--backend", default="dawn")
+    ap.add_argument("--kernel", default=BASE,
+                    help="the kernel file the versions replace (default: the partials; e.g. psa_merge.wgsl)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
     lw, prob, _, _ = li.layer_inputs("prefill")
-    srcs = versions(a.rev, a.variant)
+    srcs = versions(a.rev, a.variant, a.kernel)
     geos = {label: tuple(int(x) for x in g.split(":")) for label, _, g in (x.rpartition("=") for x in a.geometry)}
     for label in geos:
         srcs.setdefault(label, srcs["as it is"])
-    row = _kernels.KERNEL_TABLE[BASE]
+    row = _kernels.KERNEL_TABLE[a.kernel]
     res: dict = {}
     outs: dict = {}
     caps = {label: int(r) for label, _, r in (x.rpartition("=") for x in a.rows)}
@@ -95,7 +97,7 @@ def main() -> int:
     try:
         for r in range(a.rounds):
             for label, src in srcs.items():
-                register(BASE, src, row)
+                register(a.kernel, src, row)
                 cap = caps.get(label)
                 _sgmat._candidates = candidates if cap is None else (
                     lambda ctx, D, bs, rows, _c=cap: candidates(ctx, D, bs, min(rows, _c)))
@@ -120,7 +122,7 @@ def main() -> int:
                 finally:
                     be.close()
     finally:
-        register(BASE, srcs["as it is"], row)
+        register(a.kernel, srcs["as it is"], row)
         _sgmat._candidates = candidates
         _sgmat.PERSISTENT_WORKGROUPS = npw0
         one_item_per_workgroup(False)

@@ -1,0 +1,308 @@
+"""Experiment: versions of the tensor-core prefill partials (psa_partials_sgmat.wgsl) and of the
+combine (psa_merge.wgsl) that test where the prefill layer's time goes, each built from the
+working tree's kernel by edits of its text (each edit must apply exactly, or the script stops).
+
+Some versions give the kernel's bits (the same products in the same order), others are timing
+only (their results wrong on purpose, said in their label). Each version is written to a folder
+and timed by ``experiment_partials_ab.py`` against the kernel as it is (the bench's prefill layer
+workload, GPU time of partials and combine, each version on a fresh device, alternating rounds,
+outputs compared bit for bit). Run on a machine with Dawn and f16 subgroup matrices:
+
+    python scripts/experiment_partials_variants.py [--only NAME ...] [--rounds 2] [--calls 4]
+
+Versions (``NAME``):
+  kdirect   the score products load K straight from the cache (no staged K tile, no barrier per
+            K tile; every subgroup busy), same bits on finite data in valid pages
+  chain2    each score tile summed in two accumulators (even and odd 16-column steps of the head
+            dim, two dependent chains of 8 products instead of one of 16): timing only
+  vblock    o += P V with the whole V block staged at once (each subgroup's split weights held in
+            registers first, the codes of the rare path moved to their own array): 4 barriers in
+            place of 2 per V tile, same bits
+  interleave the softmax's lanes read and write interleaved words (no bank conflicts): timing only
+  nokey     the softmax does not look up each position's cache row (readable = before the row's
+            end): same bits only where every position is readable
+  ballots   the same answer as the lookups from a word of bits per 32 positions, set by subgroup
+            ballots where the cache rows are: same bits
+  noatom    the rows' largest |q| stored, not folded with atomics: timing only
+  merge4    the combine reads and writes each invocation's four components as one vec4 (four
+            consecutive components instead of four D / 4 apart), same bits
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _wgsl_variants import original
+
+PARTIALS = "psa_partials_sgmat.wgsl"
+MERGE = "psa_merge.wgsl"
+I = "        "  # indentation of the kernel's item loop body
+
+
+def _rep(s: str, old: str, new: str) -> str:
+    n = s.count(old)
+    if n != 1:
+        raise SystemExit(f"edit does not apply ({n} matches): {old[:70]!r}")
+    return s.replace(old, new)
+
+
+def kdirect(s: str) -> str:
+    lines = s.split("\n")
+    a = next(i for i, x in enumerate(lines) if x == I + "var par = 0u;")
+    b = next(i for i, x in enumerate(lines) if x.startswith(I + "// the next item's rows and page list"))
+    sc = [I + "var par = 0u;", I + "var fma_tiles = 0u;",
+          I + "workgroupBarrier();  // every subgroup's queries are in registers",
+          I + "let nkb = (max_len + 15u) / 16u;"]
+    sc += [I + f"if (LD > {n}u) {{ t{n} = load_unit(tid + {n}u * WG, 0u, 1u); }}" for n in range(8)]  # the first V tile
+    sc += [I + "let nkt = (max_len + TK - 1u) / TK;",
+           I + "if (item_fma == 0u) {",
+           I + "    for (var i = cb; i < nkb; i += CS) {",
+           I + "        let base = key_src[16u * i];",
+           I + "        var acc = Result();"]
+    for j in range(16):
+        sc += [I + f"        if (D / 16u > {j}u) {{",
+               I + f"            let b = subgroupMatrixLoad<Right, col_major>(&k_cache, base + {2 * j}u, D8);",
+               I + f"            acc = subgroupMatrixMultiplyAccumulate(qh{j}, b, acc);",
+               I + f"            acc = subgroupMatrixMultiplyAccumulate(ql{j}, b, acc);",
+               I + "        }"]
+    sc += [I + "        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + 16u * i) / 4u, acc, SW);",
+           I + "    }", I + "}", I + "workgroupBarrier();", ""]
+    return "\n".join(lines[:a] + sc + lines[b:])
+
+
+def chain2(s: str) -> str:
+    for j in range(1, 16, 2):
+        s = _rep(s, f"{I}                acc = subgroupMatrixMultiplyAccumulate(qh{j}, b, acc);\n"
+                    f"{I}                acc = subgroupMatrixMultiplyAccumulate(ql{j}, b, acc);",
+                 f"{I}                acc2 = subgroupMatrixMultiplyAccumulate(qh{j}, b, acc2);\n"
+                 f"{I}                acc2 = subgroupMatrixMultiplyAccumulate(ql{j}, b, acc2);")
+    s = _rep(s, "var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)",
+             "var acc = subgroup_matrix_result<f32, 16, 16>();  // (zero: explicitly, every tile)\n"
+             f"{I}            var acc2 = subgroup_matrix_result<f32, 16, 16>();")
+    st = "subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + k0 + kt * 16u) / 4u, acc, SW);"
+    return _rep(s, st, st + f"\n{I}            " + st.replace(", acc, ", ", acc2, "))
+
+
+VBLOCK_FUNCTIONS = '''
+fn load_vblock(x: u32) -> vec4<u32> {
+    var u = vec4<u32>(0u);
+    if (x < BK * D8) {
+        let k = x / D8;
+        let row = key_src[k];
+        if (row != INVALID) {
+            u = v_cache[row + x - k * D8];
+        }
+    }
+    return u;
+}
+
+fn store_vblock(x: u32, u_in: vec4<u32>) -> bool {
+    if (x >= BK * D8) {
+        return false;
+    }
+    let k = x / D8;
+    let f = vec4<u32>(nonfinite_halves(u_in.x), nonfinite_halves(u_in.y), nonfinite_halves(u_in.z), nonfinite_halves(u_in.w));
+    let bad = any(f != vec4<u32>(0u));
+    var u = u_in;
+    if (bad) {
+        let keep = ~(select(vec4<u32>(0u), vec4<u32>(0xffffu), (f & vec4<u32>(1u)) != vec4<u32>(0u))
+                     | select(vec4<u32>(0u), vec4<u32>(0xffff0000u), (f & vec4<u32>(2u)) != vec4<u32>(0u)));
+        u = u & keep;
+    }
+    wmem[k * HW + x - k * D8] = u;
+    return bad;
+}
+
+fn pv_step(acc: Result, ph: Left, pl: Left, at: u32) -> Result {
+    let b = subgroupMatrixLoad<Right, row_major>(&wmem, at, HW);
+    return subgroupMatrixMultiplyAccumulate(pl, b, subgroupMatrixMultiplyAccumulate(ph, b, acc));
+}
+
+'''
+
+
+def vblock(s: str) -> str:
+    s = _rep(s, "override PW: u32 = max(D, BK) / 8u + CW;", "override PW: u32 = max(D, BK) / 8u;")
+    s = _rep(s, "override LQ: u32 = (RMAX * QV + WG - 1u) / WG;",
+             "override LQ: u32 = (RMAX * QV + WG - 1u) / WG;\nconst VB: u32 = 1u;\n"
+             "override LV: u32 = (BK * D8 + WG - 1u) / WG;")
+    s = _rep(s, "const WCAP: u32 = 2784u;", "const WCAP: u32 = 2656u;")
+    s = _rep(s, "var<workgroup> key_src: array<u32, BK>;",
+             "var<workgroup> codes: array<vec4<u32>, 2u * RMAX * CW>;\nvar<workgroup> key_src: array<u32, BK>;")
+    s = _rep(s, """            let cw = max(D, BK) / 8u + kb0 / 128u;
+            wmem[sr * SW + cw][(kb0 % 128u) / 32u] = enters;
+            wmem[sr * SW + PW + cw][(kb0 % 128u) / 32u] = zero;""", """            let cw = 2u * (sr * CW + kb0 / 128u);
+            codes[cw][(kb0 % 128u) / 32u] = enters;
+            codes[cw + 1u][(kb0 % 128u) / 32u] = zero;""")
+    # the kernel's rare path of step 3 (one V tile) made a function of the positions it covers,
+    # reading the codes from their array
+    a = s.index("            if (bad != 0u) {\n                // NaN / +-inf values of the tile")
+    b = s.index("            for (var j = 0u; j < TK / 16u; j++) {\n                let kk = 16u * j;\n                let ah")
+    body = "\n".join(x[12:] for x in s[a:b].split("\n")[1:-2])  # inside `if (bad != 0u) {`, dedented
+    body = _rep(body, "x < TK * D;", "x < nk * D;")
+    body = _rep(body, "let cw = r * SW + max(D, BK) / 8u + kk / 128u;", "let cw = 2u * (r * CW + kk / 128u);")
+    body = _rep(_rep(body, "wmem[cw][", "codes[cw]["), "wmem[cw + PW][", "codes[cw + 1u][")
+    fn = "fn mark_poison(k0: u32, nk: u32, max_len: u32, n_rows: u32, tid: u32) {\n" + body + "\n}\n\n"
+    s = s[:a] + "            if (bad != 0u) {\n                mark_poison(k0, TK, max_len, n_rows, tid);\n            }\n" + s[b:]
+    s = _rep(s, "@compute @workgroup_size(WG)\nfn main(",
+             fn + VBLOCK_FUNCTIONS.lstrip("\n") + "@compute @workgroup_size(WG)\nfn main(")
+    old = "".join(f"            if (LD > {n}u) {{ t{n} = load_unit(tid + {n}u * WG, kl, nw); }}\n" for n in range(8))
+    s = _rep(s, old, "            if (kn < max_len) {\n"
+             + "".join(f"                if (LD > {n}u) {{ t{n} = load_unit(tid + {n}u * WG, kl, nw); }}\n" for n in range(8))
+             + "            } else {\n"
+             + "".join(f"                if (LV > {n}u) {{ t{n} = load_vblock(tid + {n}u * WG); }}\n" for n in range(8))
+             + "            }\n")
+    a = s.index("        var next_loaded = false;\n        for (var it = 0u; it < nkt; it++) {")
+    b = s.index("        if (has_next && !next_loaded) {")
+    J = I + "    "
+    v = [I + "var next_loaded = false;", I + "{", J + "workgroupBarrier();  // the weights are written"]
+    for j in range(8):
+        v += [J + f"var ph{j}: Left;", J + f"var pl{j}: Left;", J + f"if (BK / 16u > {j}u) {{",
+              J + f"    ph{j} = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + {2 * j}u, SW);",
+              J + f"    pl{j} = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + {2 * j}u, SW);",
+              J + "}"]
+    v += [J + "workgroupBarrier();  // every weight in registers: the V block may overwrite the rows",
+          J + "var tb = false;", J + "if (nkt > 0u) {"]
+    v += [J + f"    if (LV > {n}u) {{ tb = tb | store_vblock(tid + {n}u * WG, t{n}); }}" for n in range(8)]
+    v += [J + "}", J + "if (tb) {", J + "    set_flag(par);", J + "}", J + "var bad = 0u;",
+          J + "if (par == 0u) {", J + "    bad = workgroupUniformLoad(&flag0);", J + "} else {",
+          J + "    bad = workgroupUniformLoad(&flag1);", J + "}",
+          J + "if (tid == 0u) {", J + "    if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }", J + "}",
+          J + "if (has_next) {"]
+    v += [J + f"    if (LD > {n}u) {{ t{n} = load_unit_at(tid + {n}u * WG, nk{n}); }}" for n in range(8)]
+    v += [J + f"    if (LQ > {n}u) {{ q{n} = q_load_at(tid + {n}u * WG, nq{n}); }}" for n in range(8)]
+    v += [J + "    next_loaded = true;", J + "}", J + "if (bad != 0u) {",
+          J + "    mark_poison(0u, nkt * TK, max_len, n_rows, tid);", J + "}",
+          J + "let nks = nkt * (TK / 16u);"]
+    for j in range(8):
+        v += [J + f"if (BK / 16u > {j}u && nks > {j}u) {{"]
+        v += [J + f"    if (NDT > {n}u) {{ acc{n} = pv_step(acc{n}, ph{j}, pl{j}, {16 * j}u * HW + (cb + CS * {n}u) * 2u); }}"
+              for n in range(8)]
+        v += [J + "}"]
+    v += [J + "workgroupBarrier();", J + "par = 1u - par;", I + "}", ""]
+    return s[:a] + "\n".join(v) + s[b:]
+
+
+def interleave(s: str) -> str:
+    s = _rep(s, "v = bitcast<vec4<f32>>(wmem[sr * SW + (kb0 + 4u * j) / 4u]);",
+             "v = bitcast<vec4<f32>>(wmem[sr * SW + j * SL + sl]);")
+    s = _rep(s, "wmem[sr * SW + (kb0 + 4u * j) / 8u] = hw;", "wmem[sr * SW + jw * SL + sl] = hw;")
+    return _rep(s, "wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;", "wmem[sr * SW + PW + jw * SL + sl] = lw;")
+
+
+def nokey(s: str) -> str:
+    return _rep(s, "if (k < kend && key_src[k] != INVALID) {", "if (k < kend) {")
+
+
+def ballots(s: str) -> str:
+    s = _rep(s, """    for (var j = 0u; j < (BK + WG - 1u) / WG; j++) {
+        let k = tid + j * WG;
+        if (k >= BK) {
+            break;
+        }
+        key_src[k] = key_row(k, max_len, pages);
+    }
+""", """    var r0 = INVALID;
+    var r1 = INVALID;
+    if (tid < BK) {
+        r0 = key_row(tid, max_len, pages);
+        key_src[tid] = r0;
+    }
+    if (tid + WG < BK) {
+        r1 = key_row(tid + WG, max_len, pages);
+        key_src[tid + WG] = r1;
+    }
+    set_readable(tid, r0, r1);
+""")
+    s = _rep(s, """        if (tid + WG < BK) {
+            key_src[tid + WG] = n_row1;
+        }
+""", """        if (tid + WG < BK) {
+            key_src[tid + WG] = n_row1;
+        }
+        set_readable(tid, n_row0, n_row1);
+""")
+    s = _rep(s, "var<workgroup> key_src: array<u32, BK>;",
+             "var<workgroup> readable: array<u32, (BK + 31u) / 32u>;\nvar<workgroup> key_src: array<u32, BK>;")
+    s = _rep(s, "fn set_flag(par: u32) {", """fn set_readable(tid: u32, r0: u32, r1: u32) {
+    let m0 = subgroupBallot(r0 != INVALID).x;
+    let m1 = subgroupBallot(r1 != INVALID).x;
+    if (tid % 32u == 0u) {
+        if (tid < BK) {
+            readable[tid / 32u] = m0;
+        }
+        if (tid + WG < BK) {
+            readable[(tid + WG) / 32u] = m1;
+        }
+    }
+}
+
+fn set_flag(par: u32) {""")
+    s = _rep(s, "        let down = row_down[sr];\n",
+             "        let down = row_down[sr];\n        let rdw = readable[kb0 / 32u] >> (kb0 % 32u);\n")
+    return _rep(s, "if (k < kend && key_src[k] != INVALID) {", "if (k < kend && ((rdw >> (4u * j + c)) & 1u) != 0u) {")
+
+
+def noatom(s: str) -> str:
+    return _rep(s, "    atomicMax(&row_qmax[x / QV], mb);", "    if (x % QV == 0u) { atomicStore(&row_qmax[x / QV], mb); }")
+
+
+def merge4(s: str) -> str:
+    s = _rep(s, "var<storage, read> src_o: array<f32>;", "var<storage, read> src_o: array<vec4<f32>>;")
+    s = _rep(s, "var<storage, read_write> dst_o: array<f32>;", "var<storage, read_write> dst_o: array<vec4<f32>>;")
+    a = s.index("        let b = e * D + d0;\n        o.x = src_o[b];")
+    b = s.index("        return Elem(src_ml[e], o);")
+    s = s[:a] + "        o = src_o[(e * D) / 4u + d0];\n" + s[b:]
+    a = s.index("    let b = dest * D + d0;\n    dst_o[b] = o.x;")
+    b = s.index("    if (d0 == 0u) {\n        dst_ml")
+    return s[:a] + "    dst_o[(dest * D) / 4u + d0] = o;\n" + s[b:]
+
+
+VERSIONS = {  # name: (kernel file, edit, label)
+    "kdirect": (PARTIALS, kdirect, "K from the cache"),
+    "chain2": (PARTIALS, chain2, "two chains (timing)"),
+    "vblock": (PARTIALS, vblock, "V block at once"),
+    "interleave": (PARTIALS, interleave, "softmax interleaved (timing)"),
+    "nokey": (PARTIALS, nokey, "softmax no row lookups"),
+    "ballots": (PARTIALS, ballots, "softmax readable bits"),
+    "noatom": (PARTIALS, noatom, "no q-max atomics (timing)"),
+    "merge4": (MERGE, merge4, "combine vec4"),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", choices=list(VERSIONS), default=list(VERSIONS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--write", metavar="DIR", help="only write the versions' kernels under DIR/NAME/")
+    a = ap.parse_args()
+    root = Path(a.write) if a.write else Path(tempfile.mkdtemp(prefix="psa-variants-"))
+    by_kernel: dict[str, list[str]] = {}
+    for name in a.only:
+        kernel, edit, label = VERSIONS[name]
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / kernel).write_text(edit(original(kernel)))
+        by_kernel.setdefault(kernel, []).append(f"{label}={folder}")
+    if a.write:
+        return 0
+    ab = Path(__file__).resolve().parent / "experiment_partials_ab.py"
+    rc = 0
+    for kernel, specs in by_kernel.items():
+        print(f"## {kernel}", flush=True)
+        cmd = [sys.executable, str(ab), "--kernel", kernel, "--rounds", str(a.rounds), "--calls", str(a.calls)]
+        for spec in specs:
+            cmd += ["--variant", spec]
+        rc |= subprocess.run(cmd, check=False).returncode
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
