@@ -10,6 +10,10 @@ outputs compared bit for bit). Run on a machine with Dawn and f16 subgroup matri
 
     python scripts/experiment_partials_variants.py [--only NAME ...] [--rounds 2] [--calls 4]
 
+The versions apply to the kernel whose items load their queries and first K tile when they
+start; the script at revision 0d2cd8a also holds ``noqpf`` and ``nokpf``, the versions that led
+there (the kernel before loaded them during the item before, into registers).
+
 Versions (``NAME``):
   kdirect   the score products load K straight from the cache (no staged K tile, no barrier per
             K tile; every subgroup busy), same bits on finite data in valid pages
@@ -24,10 +28,6 @@ Versions (``NAME``):
   ballots   the same answer as the lookups from a word of bits per 32 positions, set by subgroup
             ballots where the cache rows are: same bits
   noatom    the rows' largest |q| stored, not folded with atomics: timing only
-  noqpf     the next item's queries loaded when it starts instead of into registers during the
-            last V tile of the item before: same bits
-  noqpf+nokpf  and its first K tile too: same bits
-  noqpf+vblock  with the V block staged at once: same bits
   merge4    the combine reads and writes each invocation's four components as one vec4 (four
             consecutive components instead of four D / 4 apart), same bits
 """
@@ -35,7 +35,6 @@ Versions (``NAME``):
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import tempfile
@@ -55,33 +54,6 @@ def _rep(s: str, old: str, new: str) -> str:
     if n != 1:
         raise SystemExit(f"edit does not apply ({n} matches): {old[:70]!r}")
     return s.replace(old, new)
-
-
-def _drop(s: str, pattern: str, n: int) -> str:
-    """``s`` without its ``n`` lines that match ``pattern`` (a regular expression of one line)."""
-    out, k = re.subn(r"\n *" + pattern, "", s)
-    if k != n:
-        raise SystemExit(f"edit does not apply ({k} matches, {n} expected): {pattern!r}")
-    return out
-
-
-def _at_item_start(s: str, lines: list[str]) -> str:
-    """``lines`` run at the start of every item after a workgroup's first."""
-    old = "    for (var ii = 0u; ii < n_mine; ii++) {\n"
-    return _rep(s, old, old + "".join(f"        if (ii > 0u) {{ {x} }}\n" for x in lines))
-
-
-def noqpf(s: str) -> str:
-    s = _drop(s, r"if \(LQ > \du\) \{ q\d = q_load_at\(tid \+ \du \* WG, nq\d\); \}", 16)
-    s = _drop(s, r"if \(LQ > \du\) \{ nq\d = select\(INVALID, row_query\(.*\); \}", 8)
-    return _at_item_start(s, [f"if (LQ > {n}u) {{ q{n} = q_load(tid + {n}u * WG, n_e * ng); }}" for n in range(8)])
-
-
-def nokpf(s: str) -> str:
-    s = _drop(s, r"if \(LD > \du\) \{ t\d = load_unit_at\(tid \+ \du \* WG, nk\d\); \}", 16)
-    s = _drop(s, r"if \(LD > \du\) \{ nk\d = key_row\(.*\); \}", 8)
-    return _at_item_start(s, [f"if (LD > {n}u && max_len > 0u) {{ t{n} = load_unit(tid + {n}u * WG, 0u, 0u); }}"
-                              for n in range(8)])
 
 
 def kdirect(s: str) -> str:
@@ -190,10 +162,11 @@ def vblock(s: str) -> str:
              + "            } else {\n"
              + "".join(f"                if (LV > {n}u) {{ t{n} = load_vblock(tid + {n}u * WG); }}\n" for n in range(8))
              + "            }\n")
-    a = s.index("        var next_loaded = false;\n        for (var it = 0u; it < nkt; it++) {")
-    b = s.index("        if (has_next && !next_loaded) {")
+    a = s.index("        for (var it = 0u; it < nkt; it++) {\n            let k0 = it * TK;\n            var tb = false;\n"
+                "            if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 1u); }")
+    b = s.index("        // 4. o through the words")
     J = I + "    "
-    v = [I + "var next_loaded = false;", I + "{", J + "workgroupBarrier();  // the weights are written"]
+    v = [I + "{", J + "workgroupBarrier();  // the weights are written"]
     for j in range(8):
         v += [J + f"var ph{j}: Left;", J + f"var pl{j}: Left;", J + f"if (BK / 16u > {j}u) {{",
               J + f"    ph{j} = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + {2 * j}u, SW);",
@@ -206,11 +179,7 @@ def vblock(s: str) -> str:
           J + "if (par == 0u) {", J + "    bad = workgroupUniformLoad(&flag0);", J + "} else {",
           J + "    bad = workgroupUniformLoad(&flag1);", J + "}",
           J + "if (tid == 0u) {", J + "    if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }", J + "}",
-          J + "if (has_next) {"]
-    v += [J + f"    if (LD > {n}u) {{ t{n} = load_unit_at(tid + {n}u * WG, nk{n}); }}" for n in range(8)]
-    if "nq0" in s:
-        v += [J + f"    if (LQ > {n}u) {{ q{n} = q_load_at(tid + {n}u * WG, nq{n}); }}" for n in range(8)]
-    v += [J + "    next_loaded = true;", J + "}", J + "if (bad != 0u) {",
+          J + "if (bad != 0u) {",
           J + "    mark_poison(0u, nkt * TK, max_len, n_rows, tid);", J + "}",
           J + "let nks = nkt * (TK / 16u);"]
     for j in range(8):
@@ -306,9 +275,6 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "ballots": (PARTIALS, ballots, "softmax readable bits"),
     "noatom": (PARTIALS, noatom, "no q-max atomics (timing)"),
     "merge4": (MERGE, merge4, "combine vec4"),
-    "noqpf": (PARTIALS, noqpf, "no q prefetch"),
-    "noqpf+nokpf": (PARTIALS, lambda s: nokpf(noqpf(s)), "no q, K prefetch"),
-    "noqpf+vblock": (PARTIALS, lambda s: vblock(noqpf(s)), "no q prefetch, V block"),
 }
 
 

@@ -67,10 +67,11 @@
 //   4. o is staged through the words and the item's rows are written out.
 // Every K/V tile's global loads are issued into registers one tile ahead (the next K tile, then
 // the first V tile during the last K tile and the softmax, then the next V tile). The next item
-// is read during this one: its record when this item starts, its edge rows and page list (and
-// the cache rows of its first K tile, the query rows of its queries) during the softmax, its
-// first K tile and its queries during the last V tile; its rows and page list are stored into
-// workgroup memory after this item's last barrier. Only a workgroup's first item waits on memory.
+// is read during this one: its record when this item starts, its edge rows and page list during
+// the softmax, stored into workgroup memory after this item's last barrier; its queries and
+// first K tile are loaded when it starts. (Loaded into registers during the item before, as
+// its rows are, they cost more registers than their wait: on an H200 the prefill layer's
+// partials took 0.15 ms more that way, scripts/experiment_partials_variants.py.)
 //
 // Special values (R26, R10), as psa_partials.wgsl:
 //   - positions of INVALID pages and past max_len are never read (zeros in the tiles);
@@ -256,16 +257,6 @@ fn load_unit(x: u32, k0: u32, which: u32) -> vec4<u32> {
     return u;
 }
 
-// Unit x of the first K tile of an item, whose position x / D8 has cache row `row` (key_row):
-// the loads of the next item's first tile, issued before its page list is in workgroup memory.
-fn load_unit_at(x: u32, row: u32) -> vec4<u32> {
-    var u = vec4<u32>(0u);
-    if (x < TK * D8 && row != INVALID) {
-        u = k_cache[row + x - (x / D8) * D8];
-    }
-    return u;
-}
-
 fn store_unit(x: u32, u_in: vec4<u32>, which: u32) -> bool {
     if (x >= TK * D8) {
         return false;
@@ -298,16 +289,6 @@ fn q_load(x: u32, n_rows: u32) -> vec4<f32> {
 fn row_query(r: u32, erec: u32, g0: u32, ng: u32) -> u32 {
     let ie = r / ng;
     return ((plan[erec + 2u * ie] * params.group + g0 + (r - ie * ng)) * D) / 4u;
-}
-
-// Query unit x of an item whose row x / QV has its query at vec4 `qo` (row_query), or zeros
-// (qo = INVALID: past the item's rows)
-fn q_load_at(x: u32, qo: u32) -> vec4<f32> {
-    var v = vec4<f32>(0.0);
-    if (x < RMAX * QV && qo != INVALID) {
-        v = q[qo + x - (x / QV) * QV];
-    }
-    return v;
 }
 
 // Fold |v| into its row's maximum; true if v holds NaN or +-inf.
@@ -443,45 +424,43 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
 
-    // 0. The first K tile's loads and the queries' loads in flight together (for a later item:
-    //    issued during the item before it)
-    var t0 = vec4<u32>(0u);
-    var t1 = vec4<u32>(0u);
-    var t2 = vec4<u32>(0u);
-    var t3 = vec4<u32>(0u);
-    var t4 = vec4<u32>(0u);
-    var t5 = vec4<u32>(0u);
-    var t6 = vec4<u32>(0u);
-    var t7 = vec4<u32>(0u);
-    var q0 = vec4<f32>(0.0);
-    var q1 = vec4<f32>(0.0);
-    var q2 = vec4<f32>(0.0);
-    var q3 = vec4<f32>(0.0);
-    var q4 = vec4<f32>(0.0);
-    var q5 = vec4<f32>(0.0);
-    var q6 = vec4<f32>(0.0);
-    var q7 = vec4<f32>(0.0);
-    if (max_len > 0u) {
-        if (LD > 0u) { t0 = load_unit(tid + 0u * WG, 0u, 0u); }
-        if (LD > 1u) { t1 = load_unit(tid + 1u * WG, 0u, 0u); }
-        if (LD > 2u) { t2 = load_unit(tid + 2u * WG, 0u, 0u); }
-        if (LD > 3u) { t3 = load_unit(tid + 3u * WG, 0u, 0u); }
-        if (LD > 4u) { t4 = load_unit(tid + 4u * WG, 0u, 0u); }
-        if (LD > 5u) { t5 = load_unit(tid + 5u * WG, 0u, 0u); }
-        if (LD > 6u) { t6 = load_unit(tid + 6u * WG, 0u, 0u); }
-        if (LD > 7u) { t7 = load_unit(tid + 7u * WG, 0u, 0u); }
-    }
-    if (LQ > 0u) { q0 = q_load(tid + 0u * WG, n_e * ng); }
-    if (LQ > 1u) { q1 = q_load(tid + 1u * WG, n_e * ng); }
-    if (LQ > 2u) { q2 = q_load(tid + 2u * WG, n_e * ng); }
-    if (LQ > 3u) { q3 = q_load(tid + 3u * WG, n_e * ng); }
-    if (LQ > 4u) { q4 = q_load(tid + 4u * WG, n_e * ng); }
-    if (LQ > 5u) { q5 = q_load(tid + 5u * WG, n_e * ng); }
-    if (LQ > 6u) { q6 = q_load(tid + 6u * WG, n_e * ng); }
-    if (LQ > 7u) { q7 = q_load(tid + 7u * WG, n_e * ng); }
-
     let n_mine = (params.n_items - w + nwg - 1u) / nwg;  // items of this workgroup
     for (var ii = 0u; ii < n_mine; ii++) {
+        // 0. The first K tile's loads and the queries' loads in flight together
+        var t0 = vec4<u32>(0u);
+        var t1 = vec4<u32>(0u);
+        var t2 = vec4<u32>(0u);
+        var t3 = vec4<u32>(0u);
+        var t4 = vec4<u32>(0u);
+        var t5 = vec4<u32>(0u);
+        var t6 = vec4<u32>(0u);
+        var t7 = vec4<u32>(0u);
+        var q0 = vec4<f32>(0.0);
+        var q1 = vec4<f32>(0.0);
+        var q2 = vec4<f32>(0.0);
+        var q3 = vec4<f32>(0.0);
+        var q4 = vec4<f32>(0.0);
+        var q5 = vec4<f32>(0.0);
+        var q6 = vec4<f32>(0.0);
+        var q7 = vec4<f32>(0.0);
+        if (max_len > 0u) {
+            if (LD > 0u) { t0 = load_unit(tid + 0u * WG, 0u, 0u); }
+            if (LD > 1u) { t1 = load_unit(tid + 1u * WG, 0u, 0u); }
+            if (LD > 2u) { t2 = load_unit(tid + 2u * WG, 0u, 0u); }
+            if (LD > 3u) { t3 = load_unit(tid + 3u * WG, 0u, 0u); }
+            if (LD > 4u) { t4 = load_unit(tid + 4u * WG, 0u, 0u); }
+            if (LD > 5u) { t5 = load_unit(tid + 5u * WG, 0u, 0u); }
+            if (LD > 6u) { t6 = load_unit(tid + 6u * WG, 0u, 0u); }
+            if (LD > 7u) { t7 = load_unit(tid + 7u * WG, 0u, 0u); }
+        }
+        if (LQ > 0u) { q0 = q_load(tid + 0u * WG, n_e * ng); }
+        if (LQ > 1u) { q1 = q_load(tid + 1u * WG, n_e * ng); }
+        if (LQ > 2u) { q2 = q_load(tid + 2u * WG, n_e * ng); }
+        if (LQ > 3u) { q3 = q_load(tid + 3u * WG, n_e * ng); }
+        if (LQ > 4u) { q4 = q_load(tid + 4u * WG, n_e * ng); }
+        if (LQ > 5u) { q5 = q_load(tid + 5u * WG, n_e * ng); }
+        if (LQ > 6u) { q6 = q_load(tid + 6u * WG, n_e * ng); }
+        if (LQ > 7u) { q7 = q_load(tid + 7u * WG, n_e * ng); }
         let n_rows = n_e * ng;
         let nxt = item + nwg;
         let has_next = nxt < params.n_items;
@@ -778,29 +757,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             par = 1u - par;
         }
 
-        // the next item's rows and page list (stored when this item is done), and the cache rows
-        // and query rows of the units this invocation loads for it: loads in flight during the
-        // softmax (RMAX <= WG / 2 rows and BK <= 2 WG positions: the host's geometries)
+        // the next item's rows and page list (stored when this item is done): loads in flight
+        // during the softmax (RMAX <= WG / 2 rows and BK <= 2 WG positions: the host's geometries)
         var n_len = 0u;
         var n_qo = 0u;
         var n_row0 = INVALID;
         var n_row1 = INVALID;
-        var nk0 = INVALID;
-        var nk1 = INVALID;
-        var nk2 = INVALID;
-        var nk3 = INVALID;
-        var nk4 = INVALID;
-        var nk5 = INVALID;
-        var nk6 = INVALID;
-        var nk7 = INVALID;
-        var nq0 = INVALID;
-        var nq1 = INVALID;
-        var nq2 = INVALID;
-        var nq3 = INVALID;
-        var nq4 = INVALID;
-        var nq5 = INVALID;
-        var nq6 = INVALID;
-        var nq7 = INVALID;
         if (has_next) {
             let n_rows_next = n_ne * n_ng;
             if (tid < RMAX && tid < n_rows_next) {
@@ -813,22 +775,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             if (tid + WG < BK) {
                 n_row1 = key_row(tid + WG, n_max_len, n_pages);
             }
-            if (LD > 0u) { nk0 = key_row((tid + 0u * WG) / D8, n_max_len, n_pages); }
-            if (LD > 1u) { nk1 = key_row((tid + 1u * WG) / D8, n_max_len, n_pages); }
-            if (LD > 2u) { nk2 = key_row((tid + 2u * WG) / D8, n_max_len, n_pages); }
-            if (LD > 3u) { nk3 = key_row((tid + 3u * WG) / D8, n_max_len, n_pages); }
-            if (LD > 4u) { nk4 = key_row((tid + 4u * WG) / D8, n_max_len, n_pages); }
-            if (LD > 5u) { nk5 = key_row((tid + 5u * WG) / D8, n_max_len, n_pages); }
-            if (LD > 6u) { nk6 = key_row((tid + 6u * WG) / D8, n_max_len, n_pages); }
-            if (LD > 7u) { nk7 = key_row((tid + 7u * WG) / D8, n_max_len, n_pages); }
-            if (LQ > 0u) { nq0 = select(INVALID, row_query((tid + 0u * WG) / QV, n_erec, n_g0, n_ng), (tid + 0u * WG) / QV < n_rows_next); }
-            if (LQ > 1u) { nq1 = select(INVALID, row_query((tid + 1u * WG) / QV, n_erec, n_g0, n_ng), (tid + 1u * WG) / QV < n_rows_next); }
-            if (LQ > 2u) { nq2 = select(INVALID, row_query((tid + 2u * WG) / QV, n_erec, n_g0, n_ng), (tid + 2u * WG) / QV < n_rows_next); }
-            if (LQ > 3u) { nq3 = select(INVALID, row_query((tid + 3u * WG) / QV, n_erec, n_g0, n_ng), (tid + 3u * WG) / QV < n_rows_next); }
-            if (LQ > 4u) { nq4 = select(INVALID, row_query((tid + 4u * WG) / QV, n_erec, n_g0, n_ng), (tid + 4u * WG) / QV < n_rows_next); }
-            if (LQ > 5u) { nq5 = select(INVALID, row_query((tid + 5u * WG) / QV, n_erec, n_g0, n_ng), (tid + 5u * WG) / QV < n_rows_next); }
-            if (LQ > 6u) { nq6 = select(INVALID, row_query((tid + 6u * WG) / QV, n_erec, n_g0, n_ng), (tid + 6u * WG) / QV < n_rows_next); }
-            if (LQ > 7u) { nq7 = select(INVALID, row_query((tid + 7u * WG) / QV, n_erec, n_g0, n_ng), (tid + 7u * WG) / QV < n_rows_next); }
         }
 
         // 2. Softmax of the block, SL invocations per row, each NK consecutive positions: the
@@ -960,8 +906,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 
 
-        // 3. o += P V, a V tile at a time; accumulators in registers. During the last V tile
-        //    the next item's first K tile and its queries are loaded.
+        // 3. o += P V, a V tile at a time; accumulators in registers.
         var acc0 = Result();  // (zero: explicitly, every item)
         var acc1 = Result();  // (zero: explicitly, every item)
         var acc2 = Result();  // (zero: explicitly, every item)
@@ -970,7 +915,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         var acc5 = Result();  // (zero: explicitly, every item)
         var acc6 = Result();  // (zero: explicitly, every item)
         var acc7 = Result();  // (zero: explicitly, every item)
-        var next_loaded = false;
         for (var it = 0u; it < nkt; it++) {
             let k0 = it * TK;
             var tb = false;
@@ -1003,24 +947,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 if (LD > 5u) { t5 = load_unit(tid + 5u * WG, k0 + TK, 1u); }
                 if (LD > 6u) { t6 = load_unit(tid + 6u * WG, k0 + TK, 1u); }
                 if (LD > 7u) { t7 = load_unit(tid + 7u * WG, k0 + TK, 1u); }
-            } else if (has_next) {  // the next item's first K tile and queries
-                if (LD > 0u) { t0 = load_unit_at(tid + 0u * WG, nk0); }
-                if (LD > 1u) { t1 = load_unit_at(tid + 1u * WG, nk1); }
-                if (LD > 2u) { t2 = load_unit_at(tid + 2u * WG, nk2); }
-                if (LD > 3u) { t3 = load_unit_at(tid + 3u * WG, nk3); }
-                if (LD > 4u) { t4 = load_unit_at(tid + 4u * WG, nk4); }
-                if (LD > 5u) { t5 = load_unit_at(tid + 5u * WG, nk5); }
-                if (LD > 6u) { t6 = load_unit_at(tid + 6u * WG, nk6); }
-                if (LD > 7u) { t7 = load_unit_at(tid + 7u * WG, nk7); }
-                if (LQ > 0u) { q0 = q_load_at(tid + 0u * WG, nq0); }
-                if (LQ > 1u) { q1 = q_load_at(tid + 1u * WG, nq1); }
-                if (LQ > 2u) { q2 = q_load_at(tid + 2u * WG, nq2); }
-                if (LQ > 3u) { q3 = q_load_at(tid + 3u * WG, nq3); }
-                if (LQ > 4u) { q4 = q_load_at(tid + 4u * WG, nq4); }
-                if (LQ > 5u) { q5 = q_load_at(tid + 5u * WG, nq5); }
-                if (LQ > 6u) { q6 = q_load_at(tid + 6u * WG, nq6); }
-                if (LQ > 7u) { q7 = q_load_at(tid + 7u * WG, nq7); }
-                next_loaded = true;
             }
             if (bad != 0u) {
                 // NaN / +-inf values of the tile: mark the (row, d) of every attended, not removed
@@ -1102,24 +1028,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             workgroupBarrier();
             par = 1u - par;
-        }
-        if (has_next && !next_loaded) {  // (an item without positions: no V tile)
-            if (LD > 0u) { t0 = load_unit_at(tid + 0u * WG, nk0); }
-            if (LD > 1u) { t1 = load_unit_at(tid + 1u * WG, nk1); }
-            if (LD > 2u) { t2 = load_unit_at(tid + 2u * WG, nk2); }
-            if (LD > 3u) { t3 = load_unit_at(tid + 3u * WG, nk3); }
-            if (LD > 4u) { t4 = load_unit_at(tid + 4u * WG, nk4); }
-            if (LD > 5u) { t5 = load_unit_at(tid + 5u * WG, nk5); }
-            if (LD > 6u) { t6 = load_unit_at(tid + 6u * WG, nk6); }
-            if (LD > 7u) { t7 = load_unit_at(tid + 7u * WG, nk7); }
-            if (LQ > 0u) { q0 = q_load_at(tid + 0u * WG, nq0); }
-            if (LQ > 1u) { q1 = q_load_at(tid + 1u * WG, nq1); }
-            if (LQ > 2u) { q2 = q_load_at(tid + 2u * WG, nq2); }
-            if (LQ > 3u) { q3 = q_load_at(tid + 3u * WG, nq3); }
-            if (LQ > 4u) { q4 = q_load_at(tid + 4u * WG, nq4); }
-            if (LQ > 5u) { q5 = q_load_at(tid + 5u * WG, nq5); }
-            if (LQ > 6u) { q6 = q_load_at(tid + 6u * WG, nq6); }
-            if (LQ > 7u) { q7 = q_load_at(tid + 7u * WG, nq7); }
         }
 
         // 4. o through the words (rows past n_rows belong to no partial row).
