@@ -33,6 +33,51 @@ def _plan(be, c, block_tables=None):
                               kv_dtype="float32", topk=c["topk"], causal=True, backend=be)
 
 
+def _prefill(seed, B=2, Tq=3, Hkv=2, G=2, D=8, S=4, BS=8, pages=4, topk=2):
+    """A prefill case: ``Tq`` queries per sequence (the decode case's shapes otherwise)."""
+    c = _decode(seed, B=B, Hkv=Hkv, G=G, D=D, S=S, BS=BS, pages=pages, topk=topk)
+    rng = np.random.default_rng(seed + 100)
+    msb = pages // (BS // S)
+    c["lens"] = rng.integers(Tq, pages * S + 1, size=B).astype(np.int32)
+    c["cu"] = (np.arange(B + 1) * Tq).astype(np.int32)
+    c["sel"] = np.stack([rng.permutation(msb)[:topk] for _ in range(B * Tq * Hkv)]).reshape(
+        B * Tq, Hkv, topk).astype(np.int32)
+    c["qs"] = [rng.standard_normal((B * Tq, Hkv * G, D), dtype=np.float32) for _ in range(3)]
+    return c
+
+
+def test_R32_prefill_binds_a_device_q_where_it_is(WgpuBackend, monkeypatch):
+    """A prefill plan binds a device ``q`` as it is, as decode does: the layer records no copy
+    of its queries (the bench's prefill moved 64 MiB per layer that way), and every layer gives
+    the bits of the same call with a host ``q``."""
+    be = WgpuBackend()
+    c = _prefill(4)
+    kd, vd = be.upload_kv_cache(c["k"], c["v"])
+    plan = _plan(be, c)
+    assert not plan._runtime.decode
+    qd = [be.asarray(q) for q in c["qs"]]
+    sd = be.asarray(c["sel"])
+    plan.run(qd[0], kd, vd, sd).numpy()  # warm: pipelines, bind groups, result buffers
+    plan.run(c["qs"][0], kd, vd, sd)
+    enc_class = type(plan._runtime.ctx.device.create_command_encoder())
+    copies = []
+    real = enc_class.copy_buffer_to_buffer
+    monkeypatch.setattr(enc_class, "copy_buffer_to_buffer", lambda self, *a, **kw: (copies.append(a[0]),
+                                                                                     real(self, *a, **kw))[1])
+    for q, d in zip(c["qs"], qd):
+        copies.clear()
+        want = plan.run(q, kd, vd, sd)
+        from_host = list(copies)
+        copies.clear()
+        got = plan.run(d, kd, vd, sd).numpy()
+        assert d.buffer() not in copies, "the device q was copied"
+        assert len(copies) == len(from_host), (copies, from_host)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(want, psa.forward(q, c["k"], c["v"], c["bt"], c["sel"], c["cu"], backend=be,
+                                                        used_kv_lens=c["lens"], block_size=c["BS"], causal=True))
+    plan.close()
+    be.close()
+
 def test_R32_device_layers_equal_single_calls_with_temporaries_dropped_at_once(WgpuBackend):
     be = WgpuBackend()
     c = _decode(1)

@@ -460,8 +460,9 @@ class DeviceRuntime:
             return
         if cp is not None:
             cp.end()  # the inversion clears buffers first: outside a pass
-        if q is not None and wide is None:
-            self._stage(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
+        # a device q is bound where it is, as decode binds it (no copy of the layer's queries);
+        # a host q, or a device q at an offset, goes into the plan's buffer
+        qb = self.q if wide is not None else self._bound(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
         if sel is not None:
             self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
         enc.clear_buffer(self.work, 0, self.work_bytes)
@@ -485,7 +486,7 @@ class DeviceRuntime:
         enc.copy_buffer_to_buffer(self.args, 16, self.pparams, 0, 32)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
         cp.set_pipeline(self.p_part[0])
-        cp.set_bind_group(0, self._partials_group(self.q, k, v, self.pparams))
+        cp.set_bind_group(0, self._partials_group(qb, k, v, self.pparams))
         cp.dispatch_workgroups_indirect(self.args, 0)
         self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
         cp.end()
