@@ -28,6 +28,9 @@ Versions (``NAME``):
   ballots   the same answer as the lookups from a word of bits per 32 positions, set by subgroup
             ballots where the cache rows are: same bits
   noatom    the rows' largest |q| stored, not folded with atomics: timing only
+  recsmem   the next item's record through workgroup memory instead of registers: same bits
+  recend    the next item's record read with its rows (during the softmax), not at the item's
+            start: same bits
   merge4    the combine reads and writes each invocation's four components as one vec4 (four
             consecutive components instead of four D / 4 apart), same bits
 """
@@ -251,6 +254,36 @@ fn set_flag(par: u32) {""")
     return _rep(s, "if (k < kend && key_src[k] != INVALID) {", "if (k < kend && ((rdw >> (4u * j + c)) & 1u) != 0u) {")
 
 
+_RECORD = ("max_len", "ne", "g0", "ng", "erec", "pages", "prow0")
+
+
+def recsmem(s: str) -> str:
+    """The next item's record (7 words) through workgroup memory: read at the item's start by 7
+    invocations and stored before the queries' first barrier, instead of held in every
+    invocation's registers through the scores; read back (uniformly) before the softmax."""
+    old = "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
+    s = _rep(s, old, "        var rec_w = 0u;\n        if (tid < 7u) {\n            rec_w = plan[nib + tid];\n        }\n")
+    s = _rep(s, "        let item_fma = workgroupUniformLoad(&q_bad);",
+             "        if (tid < 7u) {\n            next_rec[tid] = rec_w;\n        }\n"
+             "        let item_fma = workgroupUniformLoad(&q_bad);")
+    s = _rep(s, "        var n_len = 0u;\n",
+             "        let rec = workgroupUniformLoad(&next_rec);  // (a barrier more per item)\n"
+             + "".join(f"        let n_{w} = rec[{i}];\n" for i, w in enumerate(_RECORD))
+             + "        var n_len = 0u;\n")
+    return _rep(s, "var<workgroup> key_src: array<u32, BK>;",
+                "var<workgroup> next_rec: array<u32, 8>;\nvar<workgroup> key_src: array<u32, BK>;")
+
+
+def recend(s: str) -> str:
+    """The next item's record read when the item ends (no read ahead of it): its rows and page
+    list then wait for it."""
+    old = "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
+    s = _rep(s, old, "")
+    return _rep(s, "        var n_len = 0u;\n",
+                "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
+                + "        var n_len = 0u;\n")
+
+
 def noatom(s: str) -> str:
     return _rep(s, "    atomicMax(&row_qmax[x / QV], mb);", "    if (x % QV == 0u) { atomicStore(&row_qmax[x / QV], mb); }")
 
@@ -274,6 +307,8 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "nokey": (PARTIALS, nokey, "softmax no row lookups"),
     "ballots": (PARTIALS, ballots, "softmax readable bits"),
     "noatom": (PARTIALS, noatom, "no q-max atomics (timing)"),
+    "recsmem": (PARTIALS, recsmem, "next record in workgroup memory"),
+    "recend": (PARTIALS, recend, "next record read at the softmax"),
     "merge4": (MERGE, merge4, "combine vec4"),
 }
 
