@@ -71,7 +71,7 @@
 // the softmax, stored into workgroup memory after this item's last barrier; its queries and
 // first K tile are loaded when it starts. (Loaded into registers during the item before, as
 // its rows are, they cost more registers than their wait: on an H200 the prefill layer's
-// partials took 0.15 ms more that way, scripts/experiment_partials_variants.py.)
+// partials and combine took 0.09-0.15 ms more that way, the same bits; benchmarks, 2026-12-04.)
 //
 // Special values (R26, R10), as psa_partials.wgsl:
 //   - positions of INVALID pages and past max_len are never read (zeros in the tiles);
