@@ -22,13 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from paged_sparse_attn.bench.layer import LAYER_WORKLOADS, _index_inputs, _plan
 from paged_sparse_attn.bench.workloads import make_problem
 
-__all__ = ["add_arguments", "attention_gpu_time", "decode_calls", "layer_inputs", "on_device", "run_decode",
+__all__ = ["add_arguments", "add_shape_argument", "attention_gpu_time", "decode_calls", "layer_inputs", "on_device", "run_decode",
            "timed_loops"]
 
 
 def add_arguments(ap) -> None:
     """``--workload prefill|decode`` and ``--shape TQ L`` on an argparse parser."""
     ap.add_argument("--workload", choices=["prefill", "decode"], default="prefill")
+    add_shape_argument(ap)
+
+
+def add_shape_argument(ap) -> None:
+    """``--shape TQ L`` on an argparse parser (the prefill scripts' smaller problem)."""
     ap.add_argument("--shape", type=int, nargs=2, default=None, metavar=("TQ", "L"),
                     help="a smaller prefill (queries, cached positions) to try the script on a CPU driver")
 

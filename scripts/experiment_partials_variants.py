@@ -255,14 +255,15 @@ fn set_flag(par: u32) {""")
 
 
 _RECORD = ("max_len", "ne", "g0", "ng", "erec", "pages", "prow0")
+# the kernel's reads of the next item's record, as it has them
+_RECORD_READS = "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
 
 
 def recsmem(s: str) -> str:
     """The next item's record (7 words) through workgroup memory: read at the item's start by 7
     invocations and stored before the queries' first barrier, instead of held in every
     invocation's registers through the scores; read back (uniformly) before the softmax."""
-    old = "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
-    s = _rep(s, old, "        var rec_w = 0u;\n        if (tid < 7u) {\n            rec_w = plan[nib + tid];\n        }\n")
+    s = _rep(s, _RECORD_READS, "        var rec_w = 0u;\n        if (tid < 7u) {\n            rec_w = plan[nib + tid];\n        }\n")
     s = _rep(s, "        let item_fma = workgroupUniformLoad(&q_bad);",
              "        if (tid < 7u) {\n            next_rec[tid] = rec_w;\n        }\n"
              "        let item_fma = workgroupUniformLoad(&q_bad);")
@@ -275,13 +276,10 @@ def recsmem(s: str) -> str:
 
 
 def recend(s: str) -> str:
-    """The next item's record read when the item ends (no read ahead of it): its rows and page
-    list then wait for it."""
-    old = "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
-    s = _rep(s, old, "")
-    return _rep(s, "        var n_len = 0u;\n",
-                "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
-                + "        var n_len = 0u;\n")
+    """The next item's record read with its rows and page list (during the softmax), not when
+    the item starts: those reads then wait for it."""
+    s = _rep(s, _RECORD_READS, "")
+    return _rep(s, "        var n_len = 0u;\n", _RECORD_READS + "        var n_len = 0u;\n")
 
 
 def noatom(s: str) -> str:

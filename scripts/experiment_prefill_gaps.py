@@ -75,8 +75,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="dawn")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--shape", type=int, nargs=2, default=None, metavar=("TQ", "L"),
-                    help="a smaller prefill (queries, cached positions) to try the script on a CPU driver")
+    li.add_shape_argument(ap)
     a = ap.parse_args()
     t_all = time.perf_counter()
     lw, prob, _, _ = li.layer_inputs("prefill", a.shape)

@@ -51,8 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="dawn")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--shape", type=int, nargs=2, default=None, metavar=("TQ", "L"),
-                    help="queries and cached positions instead of the workload's (a smoke run)")
+    li.add_shape_argument(ap)
     a = ap.parse_args()
     lw, prob, _, _ = li.layer_inputs("prefill", a.shape)
     cls = type(registry.get_backend(a.backend))

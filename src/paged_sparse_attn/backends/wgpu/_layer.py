@@ -449,8 +449,7 @@ class DeviceRuntime:
         if attention and self.decode:
             # decode: device arrays are bound where they are (bind groups kept per buffer), host
             # arrays written into the plan's buffers; no copies, one pass
-            qb = self.q if wide is not None else self._bound(enc, q, self.q, self.Tq * self.Hq * self.D * 4,
-                                                              np.float32)
+            qb = self._q_buffer(enc, q, wide)
             if groups is None:
                 sb = self._bound(enc, sel, self.sel, self.emax * 4, np.int32)
                 bg_edges = self._cached(("slots", sb.uid), lambda: self._bg(
@@ -460,9 +459,7 @@ class DeviceRuntime:
             return
         if cp is not None:
             cp.end()  # the inversion clears buffers first: outside a pass
-        # a device q is bound where it is, as decode binds it (no copy of the layer's queries);
-        # a host q, or a device q at an offset, goes into the plan's buffer
-        qb = self.q if wide is not None else self._bound(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
+        qb = self._q_buffer(enc, q, wide)
         if sel is not None:
             self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
         enc.clear_buffer(self.work, 0, self.work_bytes)
@@ -555,6 +552,14 @@ class DeviceRuntime:
             self.p_hand = self.be._pipeline(HANDOFF, False, {"DST": (self.o_bytes + self.ml_bytes) // 4})
         return self._cached(("handoff", res.uid), lambda: self._bg(self.p_hand[1], [{"buffer": self.args},
                                                                                     {"buffer": res}]))
+
+    def _q_buffer(self, enc, q, wide):
+        """The buffer the partials kernel binds for the layer's queries: the plan's where ``wide``
+        (``_widened``'s dispatch) widens a float16 ``q`` into it, else ``_bound``'s (a device
+        ``q`` where it is, decode and prefill alike: no copy of the layer's queries)."""
+        if wide is not None:
+            return self.q
+        return self._bound(enc, q, self.q, self.Tq * self.Hq * self.D * 4, np.float32)
 
     def _bound(self, enc, x, plan_buf, nbytes: int, dtype):
         """The buffer a kernel binds for a layer's tensor: a device array's own (when it starts at

@@ -138,7 +138,9 @@ def finish_and_submit(rec: Recorder | None, queue: Any, encoder: Any) -> None:
         rec.submit(queue, encoder)
     else:
         queue.submit([encoder.finish()])
-_recorders: dict[str, Recorder] = {}
+
+
+_recorders: dict[str, Recorder] = {}  # per runtime name: its C functions and descriptors, made once
 
 
 def recorder(runtime: Runtime) -> Recorder | None:
