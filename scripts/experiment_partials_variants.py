@@ -12,7 +12,9 @@ outputs compared bit for bit). Run on a machine with Dawn and f16 subgroup matri
 
 The versions apply to the kernel whose items load their queries and first K tile when they
 start; the script at revision 0d2cd8a also holds ``noqpf`` and ``nokpf``, the versions that led
-there (the kernel before loaded them during the item before, into registers).
+there (the kernel before loaded them during the item before, into registers), and the script at
+revision c23094a ``nokey`` and ``ballots``, versions of the softmax as it was before its
+positions' readability was looked up once per lane.
 
 Versions (``NAME``):
   kdirect   the score products load K straight from the cache (no staged K tile, no barrier per
@@ -23,14 +25,24 @@ Versions (``NAME``):
             registers first, the codes of the rare path moved to their own array): 4 barriers in
             place of 2 per V tile, same bits
   interleave the softmax's lanes read and write interleaved words (no bank conflicts): timing only
-  nokey     the softmax does not look up each position's cache row (readable = before the row's
-            end): same bits only where every position is readable
-  ballots   the same answer as the lookups from a word of bits per 32 positions, set by subgroup
-            ballots where the cache rows are: same bits
   noatom    the rows' largest |q| stored, not folded with atomics: timing only
   recsmem   the next item's record through workgroup memory instead of registers: same bits
   recend    the next item's record read with its rows (during the softmax), not at the item's
             start: same bits
+  qreload   each score tile loads its row block's split queries from workgroup memory instead of
+            holding them in registers for the whole of step 1 (64 fewer live registers per
+            invocation; the scores overwrite the queries as they are stored): timing only
+  nolo      the low halves of the split queries and weights left out of the products (half the
+            matrix products and a third of the matrix loads): timing only
+  kvhot     every K and V tile read from the cache's first TK rows (cached close to the SMs):
+            timing only; with qhot and nowrite, what the item's memory traffic costs
+  qhot      every item's queries read from the first rows of q: timing only
+  nowrite   the partial rows not written out (their values still computed): timing only
+  nosoftmax the softmax left out (the scores' words go into the products as weights): timing
+            only, what step 2 costs
+  mergeseq  the combine reads each element's partial rows in the order they lie in the buffer
+            (element i of the list: rows i G .. i G + G - 1), every row once, as a layout of
+            the partial rows by (query, KV head) would give: timing only, the bound of such a layout
   merge4    the combine reads and writes each invocation's four components as one vec4 (four
             consecutive components instead of four D / 4 apart), same bits
 """
@@ -201,59 +213,6 @@ def interleave(s: str) -> str:
     return _rep(s, "wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;", "wmem[sr * SW + PW + jw * SL + sl] = lw;")
 
 
-def nokey(s: str) -> str:
-    return _rep(s, "if (k < kend && key_src[k] != INVALID) {", "if (k < kend) {")
-
-
-def ballots(s: str) -> str:
-    s = _rep(s, """    for (var j = 0u; j < (BK + WG - 1u) / WG; j++) {
-        let k = tid + j * WG;
-        if (k >= BK) {
-            break;
-        }
-        key_src[k] = key_row(k, max_len, pages);
-    }
-""", """    var r0 = INVALID;
-    var r1 = INVALID;
-    if (tid < BK) {
-        r0 = key_row(tid, max_len, pages);
-        key_src[tid] = r0;
-    }
-    if (tid + WG < BK) {
-        r1 = key_row(tid + WG, max_len, pages);
-        key_src[tid + WG] = r1;
-    }
-    set_readable(tid, r0, r1);
-""")
-    s = _rep(s, """        if (tid + WG < BK) {
-            key_src[tid + WG] = n_row1;
-        }
-""", """        if (tid + WG < BK) {
-            key_src[tid + WG] = n_row1;
-        }
-        set_readable(tid, n_row0, n_row1);
-""")
-    s = _rep(s, "var<workgroup> key_src: array<u32, BK>;",
-             "var<workgroup> readable: array<u32, (BK + 31u) / 32u>;\nvar<workgroup> key_src: array<u32, BK>;")
-    s = _rep(s, "fn set_flag(par: u32) {", """fn set_readable(tid: u32, r0: u32, r1: u32) {
-    let m0 = subgroupBallot(r0 != INVALID).x;
-    let m1 = subgroupBallot(r1 != INVALID).x;
-    if (tid % 32u == 0u) {
-        if (tid < BK) {
-            readable[tid / 32u] = m0;
-        }
-        if (tid + WG < BK) {
-            readable[(tid + WG) / 32u] = m1;
-        }
-    }
-}
-
-fn set_flag(par: u32) {""")
-    s = _rep(s, "        let down = row_down[sr];\n",
-             "        let down = row_down[sr];\n        let rdw = readable[kb0 / 32u] >> (kb0 % 32u);\n")
-    return _rep(s, "if (k < kend && key_src[k] != INVALID) {", "if (k < kend && ((rdw >> (4u * j + c)) & 1u) != 0u) {")
-
-
 _RECORD = ("max_len", "ne", "g0", "ng", "erec", "pages", "prow0")
 # the kernel's reads of the next item's record, as it has them
 _RECORD_READS = "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
@@ -286,6 +245,55 @@ def noatom(s: str) -> str:
     return _rep(s, "    atomicMax(&row_qmax[x / QV], mb);", "    if (x % QV == 0u) { atomicStore(&row_qmax[x / QV], mb); }")
 
 
+def qreload(s: str) -> str:
+    lines = s.split("\n")
+    a = next(i for i, x in enumerate(lines) if x == I + "var qh0: Left;")
+    b = next(i for i, x in enumerate(lines) if x.startswith(I + "// 1. Scores of the block"))
+    lines[a - 1:b] = [I + "// (qreload: the split queries are loaded by each score tile)"]
+    s = "\n".join(lines)
+    for j in range(16):
+        old = f"KVW + kt * 16u * HW + {2 * j}u, HW);\n"
+        s = _rep(s, old, old + I + "                    " + f"let qh{j} = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + {2 * j}u, SW);\n"
+                 + I + "                    " + f"let ql{j} = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + {2 * j}u, SW);\n")
+    return s
+
+
+def nolo(s: str) -> str:
+    for j in range(16):
+        s = _rep(s, f"acc = subgroupMatrixMultiplyAccumulate(ql{j}, b, acc);\n", "\n")
+    for n in range(8):
+        s = _rep(s, f"acc{n} = subgroupMatrixMultiplyAccumulate(al, b, acc{n});\n", "\n")
+    return _rep(s, "                let al = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + (k0 + kk) / 8u, SW);\n", "")
+
+
+def kvhot(s: str) -> str:
+    s = _rep(s, "u = k_cache[row + x - k * D8];", "u = k_cache[x];")
+    return _rep(s, "u = v_cache[row + x - k * D8];", "u = v_cache[x];")
+
+
+def qhot(s: str) -> str:
+    return _rep(s, "v = q[row_q[r] + x - r * QV];", "v = q[x];")
+
+
+def nowrite(s: str) -> str:
+    s = _rep(s, "            o_out[(prow0 + r) * D + d] = o;",
+             "            if (bitcast<u32>(o) == 0x7f800001u) {  // (never: the value stays computed)\n"
+             "                o_out[(prow0 + r) * D + d] = o;\n            }")
+    return _rep(s, "            ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);",
+                "            if (bitcast<u32>(row_m[r]) == 0x7f800001u) {\n"
+                "                ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);\n            }")
+
+
+def nosoftmax(s: str) -> str:
+    a = s.index("        let sr = tid / SL;\n")
+    b = s.index("        // 3. o += P V, a V tile at a time")
+    return s[:a] + "        workgroupBarrier();\n\n" + s[b:]
+
+
+def mergeseq(s: str) -> str:
+    return _rep(s, "        let e = plan[eo + i] * gs + sub;", "        let e = (i + eo * 0u) * gs + sub;")
+
+
 def merge4(s: str) -> str:
     s = _rep(s, "var<storage, read> src_o: array<f32>;", "var<storage, read> src_o: array<vec4<f32>>;")
     s = _rep(s, "var<storage, read_write> dst_o: array<f32>;", "var<storage, read_write> dst_o: array<vec4<f32>>;")
@@ -302,11 +310,16 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "chain2": (PARTIALS, chain2, "two chains (timing)"),
     "vblock": (PARTIALS, vblock, "V block at once"),
     "interleave": (PARTIALS, interleave, "softmax interleaved (timing)"),
-    "nokey": (PARTIALS, nokey, "softmax no row lookups"),
-    "ballots": (PARTIALS, ballots, "softmax readable bits"),
     "noatom": (PARTIALS, noatom, "no q-max atomics (timing)"),
     "recsmem": (PARTIALS, recsmem, "next record in workgroup memory"),
     "recend": (PARTIALS, recend, "next record read at the softmax"),
+    "qreload": (PARTIALS, qreload, "queries reloaded per tile (timing)"),
+    "nolo": (PARTIALS, nolo, "no low halves (timing)"),
+    "kvhot": (PARTIALS, kvhot, "K/V from hot rows (timing)"),
+    "qhot": (PARTIALS, qhot, "q from hot rows (timing)"),
+    "nowrite": (PARTIALS, nowrite, "rows not written (timing)"),
+    "nosoftmax": (PARTIALS, nosoftmax, "no softmax (timing)"),
+    "mergeseq": (MERGE, mergeseq, "combine in buffer order (timing)"),
     "merge4": (MERGE, merge4, "combine vec4"),
 }
 

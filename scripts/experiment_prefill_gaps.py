@@ -3,7 +3,8 @@
 Usage: ``python scripts/experiment_prefill_gaps.py [--backend dawn] [--repeat 5] [--shape TQ L]``.
 For the prefill layer workload of the bench (B = 1, L = 32k, the last 4096 queries, causal,
 top-16 of 128-token blocks, float16 caches, 8 layers with their own queries, device arrays, one
-synchronisation per loop) it times ``AttentionPlan.run`` as it is and with dispatches left out
+synchronisation per loop that waits and copies nothing, as the bench's ``layer`` suite; the loop's
+output is read only after the timing, to compare bits) it times ``AttentionPlan.run`` as it is and with dispatches left out
 (``DeviceRuntime._dispatch`` and the compute pass's indirect dispatch, the partials', skipped):
 
 * ``inversion once``: the inversion's dispatches run on the loop's first call only; every layer
@@ -105,7 +106,7 @@ def main() -> int:
                 d.plan.run(d.q[0], d.k, d.v, d.sel).numpy()  # (its inversion runs in every variant but two)
                 rt._gaps_inverted = True
                 issued: list = []
-                t = _loop_time(lambda i: d.plan.run(d.q[i], d.k, d.v, d.sel), lambda r: r.numpy(), lw.layers,
+                t = _loop_time(lambda i: d.plan.run(d.q[i], d.k, d.v, d.sel), lambda r: be.synchronize(), lw.layers,
                                a.repeat, False, issued)
                 last = d.plan.run(d.q[0], d.k, d.v, d.sel).numpy()
                 note = ""

@@ -52,14 +52,17 @@
 //      scores with f32 FMAs from the f32 q instead: the FMA kernel's scores, in its order.
 //   2. Softmax of the whole block (f32, as psa_partials.wgsl step 3 over one tile of max_len
 //      keys), SL consecutive lanes per row, each NK = BK / SL consecutive positions: the lane
-//      reads its scores into registers; m = max over attended scores (R26: -inf removes its
-//      position, NaN is kept), the lanes' maxima combined by shuffles; a barrier (every row's
-//      scores are read); p = exp(s - m) (removed: not a weight; 0: not attended), l = sum p
-//      (the lane's positions in order, then a butterfly). The weights are written over the
-//      scores, split like Q (hi = hi11(p), lo = f16(p - hi); 0 for a removed weight or a NaN
-//      row), with two bits per position for step 3's rare path: "its weight enters" (attended
-//      and not removed; in the CW words after P hi) and "its weight is 0" (exp underflowed; after
-//      P lo). One block is one tile of the online softmax (R14): o is never rescaled, so it
+//      reads its scores into registers and marks the positions whose weight enters (attended,
+//      readable, and not -inf: R26, -inf removes its position); m = their max (NaN kept), the
+//      lanes' maxima combined by shuffles; a barrier (every row's scores are read); p = exp(s - m)
+//      where the weight enters, else 0 (which leaves l as it is), l = sum p (the lane's
+//      positions in order, then a butterfly). The weights are written over the scores, split
+//      like Q (hi = hi11(p), lo = f16(p - hi); 0 for a NaN weight), with two bits per position
+//      for step 3's rare path: "its weight enters" (in the CW words after P hi) and "its weight
+//      is 0" (exp underflowed; after P lo). Measured on an H200 the softmax was a sixth of the
+//      prefill partials and combine (0.80 of 4.87 ms); it computes each weight once, with no
+//      marker for removed positions and one cache-row lookup per lane where its positions share
+//      a page (same bits as the version before; benchmarks, 2026-12-04). One block is one tile of the online softmax (R14): o is never rescaled, so it
 //      stays in registers.
 //   3. o = P V, a V tile of TK keys at a time, as two products (P hi V + P lo V). Accumulators
 //      stay in subgroup-matrix registers for the whole item; each subgroup owns one 16-row
@@ -75,7 +78,7 @@
 //
 // Special values (R26, R10), as psa_partials.wgsl:
 //   - positions of INVALID pages and past max_len are never read (zeros in the tiles);
-//   - a masked (row, key) pair has p = 0 and a removed one p = REMOVED -> 0 in the f16 P tile; V
+//   - a masked or removed (row, key) pair has p = 0 in the f16 P tile and adds nothing to l; V
 //     values that are NaN or +-inf are replaced by 0 in the staged V tile, so no product 0 * NaN
 //     can reach a row through the matrix product. Instead every (row, key) pair whose weight
 //     enters and whose v[d] is non-finite marks (row, d) in `poison` (2 bits: +inf seen, -inf
@@ -83,8 +86,8 @@
 //     written o[d] is then what the FMA kernel's sum gives, NaN, +inf or -inf;
 //   - a row with a NaN l (a NaN or +inf score) gets o = NaN in every component, as p = NaN
 //     gives in the FMA kernel (its P entries enter the product as 0);
-//   - REMOVED and NaN are tested on bits: a compiler may turn select(p, 0, p < 0) into
-//     max(p, 0), which drops a NaN (measured on the H200 through Dawn).
+//   - -inf and NaN are tested on bits: a compiler may turn a select on a comparison into a max
+//     or min, which drops a NaN (measured on the H200 through Dawn).
 //
 // Determinism (R19): the order of every sum is fixed by the constants (tiles, subgroup-matrix
 // products in k order, each softmax lane's positions in order, the lanes' partial sums reduced
@@ -185,14 +188,8 @@ var<workgroup> poisoned: u32;   // 1: some (row, d) of the item is poisoned
 
 
 const NEG_INF_BITS: u32 = 0xff800000u;
-// the weight of a removed position (exp never gives a negative number; a -0 marker is not safe:
-// compilers may treat -0 and +0 as one constant)
-const REMOVED: f32 = -1.0;
-const REMOVED_BITS: u32 = 0xbf800000u;
-// bit tests, not p < 0: a compiler may turn select(p, 0, p < 0) into max(p, 0), which drops a NaN
-fn is_removed(p: f32) -> bool {
-    return bitcast<u32>(p) == REMOVED_BITS;
-}
+// bit tests, not comparisons: a compiler may turn select(p, 0, p < 0) into max(p, 0), which
+// drops a NaN
 fn is_ninf(x: f32) -> bool {
     return bitcast<u32>(x) == NEG_INF_BITS;
 }
@@ -790,9 +787,29 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         let down = row_down[sr];
         var sv: array<vec4<f32>, 8>;  // (NKL <= 8)
+        // The lane's readable positions: a page is readable as a whole (key_row: its slab is
+        // INVALID or not), and below kend every position is below max_len, so where the lane's NK
+        // positions lie in one page (S % NK == 0: kb0 is a multiple of NK) one lookup answers
+        // for all of them; otherwise one lookup per position.
         var okm = 0u;  // bit 4 j + c: position kb0 + 4 j + c is attended and readable
-        var lmax = 0.0;
-        var seen = false;
+        if (S % NK == 0u) {
+            if (kb0 < kend && key_src[kb0] != INVALID) {
+                let n = min(kend - kb0, NK);
+                okm = select((1u << n) - 1u, 0xffffffffu, n >= 32u);
+            }
+        } else {
+            for (var b = 0u; b < NK; b++) {
+                if (kb0 + b < kend && key_src[kb0 + b] != INVALID) {
+                    okm |= 1u << b;
+                }
+            }
+        }
+        // m over the attended scores but -inf (R26), NaN kept: a plain max in position order and
+        // a flag for NaN (the maximum's bits are those of the max over the same scores in the same
+        // order; a NaN among them makes it NaN, as nan_max does)
+        var inc = 0u;  // bit 4 j + c: the position's weight enters (attended, readable, not -inf)
+        var mx = bitcast<f32>(MINF_BITS);  // (a private: a constant -inf is refused)
+        var m_nan = false;
         for (var j = 0u; j < NKL; j++) {
             var v = vec4<f32>(0.0);
             if (sr < RMAX) {
@@ -803,16 +820,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             sv[j] = v;
             for (var c = 0u; c < 4u; c++) {
-                let k = kb0 + 4u * j + c;
-                if (k < kend && key_src[k] != INVALID) {
-                    okm |= 1u << (4u * j + c);
-                    let s = v[c];
-                    if (!is_ninf(s)) {
-                        lmax = select(s, nan_max(lmax, s), seen);
-                        seen = true;
-                    }
+                let bit = 4u * j + c;
+                let s = v[c];
+                if (((okm >> bit) & 1u) != 0u && !is_ninf(s)) {
+                    inc |= 1u << bit;
+                    mx = max(mx, s);
+                    m_nan = m_nan || is_nan(s);
                 }
             }
+        }
+        let seen = inc != 0u;
+        var lmax = 0.0;
+        if (seen) {
+            lmax = select(mx, bitcast<f32>(NAN_BITS), m_nan);
         }
         var m_new = lmax;
         var found = seen;
@@ -827,9 +847,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             found = found || fo;
         }
         workgroupBarrier();  // every row's scores are in registers: the weights may overwrite them
+        // p = exp(s - m) where the weight enters, 0 elsewhere (a removed position adds nothing to
+        // l: adding +0 leaves l's bits as they are); split as Q (hi = hi11(p), lo = f16(p - hi)),
+        // a NaN weight entering the product as 0 (its row's o is made NaN at the end)
         var psum = 0.0;
-        var enters = 0u;  // bit k % 32: position k's weight enters (attended, not removed)
-        var zero = 0u;    // bit k % 32: its weight is 0 (exp underflowed)
+        var zb = 0u;  // bit 4 j + c: the weight enters and is 0 (exp underflowed)
         for (var jw = 0u; jw < NKL / 2u; jw++) {  // a word of weights: 8 positions
             let j = 2u * jw;
             var hw = vec4<u32>(0u);
@@ -838,29 +860,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 var ph = vec4<f32>(0.0);
                 var pl = vec4<f32>(0.0);
                 for (var c = 0u; c < 4u; c++) {
-                    let k = kb0 + 4u * (j + t) + c;
+                    let bit = 4u * (j + t) + c;
                     var p = 0.0;
-                    let ok = ((okm >> (4u * (j + t) + c)) & 1u) != 0u;
-                    if (ok) {
-                        let sc = sv[j + t][c];
-                        p = select(exp(sc - m_new), REMOVED, is_ninf(sc));
-                    }
-                    if (!is_removed(p)) {
-                        psum += p;  // (a NaN p stays in the sum)
-                    }
-                    if (ok && !is_removed(p)) {
-                        enters |= 1u << (k % 32u);
+                    if (((inc >> bit) & 1u) != 0u) {
+                        p = exp(sv[j + t][c] - m_new);
                         if (p == 0.0) {
-                            zero |= 1u << (k % 32u);
+                            zb |= 1u << bit;
                         }
                     }
-                    // the weight as the split P hi + P lo of step 3: a removed weight and a NaN row's
-                    // (its o is made NaN at the end) enter the product as 0
-                    var pm = p;
-                    if (is_nan(p) || is_removed(p)) {
-                        pm = 0.0;
-                    }
-                    let h = hi11(vec4<f32>(pm, 0.0, 0.0, 0.0)).x;
+                    psum += p;  // (a NaN p stays in the sum)
+                    let pm = select(p, 0.0, is_nan(p));
+                    let h = bitcast<f32>(bitcast<u32>(pm) & 0xffffe000u);  // hi11
                     ph[c] = h;
                     pl[c] = pm - h;
                 }
@@ -876,6 +886,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;
             }
         }
+        // the codes' bits at k % 32 for position k = kb0 + bit (the lane's NK <= 32 positions
+        // start at kb0 % 32, a multiple of NK)
+        var enters = inc << (kb0 % 32u);
+        var zero = zb << (kb0 % 32u);
         for (var j = 0u; j < 5u; j++) {
             let o = (SL / 2u) >> j;
             if (o == 0u) {
