@@ -40,6 +40,9 @@ Versions (``NAME``):
   nowrite   the partial rows not written out (their values still computed): timing only
   nosoftmax the softmax left out (the scores' words go into the products as weights): timing
             only, what step 2 costs
+  nocheck   the staged K/V units stored without their test for NaN and +-inf: timing only (the
+            same bits where the caches are finite)
+  noexp     the softmax's exp left out (p = s - m): timing only
   mergeseq  the combine reads each element's partial rows in the order they lie in the buffer
             (element i of the list: rows i G .. i G + G - 1), every row once, as a layout of
             the partial rows by (query, KV head) would give: timing only, the bound of such a layout
@@ -126,13 +129,11 @@ fn store_vblock(x: u32, u_in: vec4<u32>) -> bool {
         return false;
     }
     let k = x / D8;
-    let f = vec4<u32>(nonfinite_halves(u_in.x), nonfinite_halves(u_in.y), nonfinite_halves(u_in.z), nonfinite_halves(u_in.w));
-    let bad = any(f != vec4<u32>(0u));
+    let f = nonfinite_bits(u_in);
+    let bad = any((f.xy | f.zw) != vec2<u32>(0u));
     var u = u_in;
     if (bad) {
-        let keep = ~(select(vec4<u32>(0u), vec4<u32>(0xffffu), (f & vec4<u32>(1u)) != vec4<u32>(0u))
-                     | select(vec4<u32>(0u), vec4<u32>(0xffff0000u), (f & vec4<u32>(2u)) != vec4<u32>(0u)));
-        u = u & keep;
+        u = u & ~((f >> vec4<u32>(15u)) * vec4<u32>(0xffffu));
     }
     wmem[k * HW + x - k * D8] = u;
     return bad;
@@ -276,9 +277,9 @@ def qhot(s: str) -> str:
 
 
 def nowrite(s: str) -> str:
-    s = _rep(s, "            o_out[(prow0 + r) * D + d] = o;",
-             "            if (bitcast<u32>(o) == 0x7f800001u) {  // (never: the value stays computed)\n"
-             "                o_out[(prow0 + r) * D + d] = o;\n            }")
+    s = _rep(s, "            o_out[(prow0 + r) * QV + c] = o;",
+             "            if (bitcast<u32>(o.x) == 0x7f800001u) {  // (never: the value stays computed)\n"
+             "                o_out[(prow0 + r) * QV + c] = o;\n            }")
     return _rep(s, "            ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);",
                 "            if (bitcast<u32>(row_m[r]) == 0x7f800001u) {\n"
                 "                ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);\n            }")
@@ -288,6 +289,15 @@ def nosoftmax(s: str) -> str:
     a = s.index("        let sr = tid / SL;\n")
     b = s.index("        // 3. o += P V, a V tile at a time")
     return s[:a] + "        workgroupBarrier();\n\n" + s[b:]
+
+
+def nocheck(s: str) -> str:
+    return _rep(s, "    let j = x - k * D8;\n    var u = u_in;\n",
+                "    let j = x - k * D8;\n    wmem[KVW + k * HW + j] = u_in;\n    return false;\n    var u = u_in;\n")
+
+
+def noexp(s: str) -> str:
+    return _rep(s, "p = exp(sv[j + t][c] - m_new);", "p = sv[j + t][c] - m_new;")
 
 
 def mergeseq(s: str) -> str:
@@ -319,6 +329,8 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "qhot": (PARTIALS, qhot, "q from hot rows (timing)"),
     "nowrite": (PARTIALS, nowrite, "rows not written (timing)"),
     "nosoftmax": (PARTIALS, nosoftmax, "no softmax (timing)"),
+    "nocheck": (PARTIALS, nocheck, "K/V unchecked (timing)"),
+    "noexp": (PARTIALS, noexp, "no exp (timing)"),
     "mergeseq": (MERGE, mergeseq, "combine in buffer order (timing)"),
     "merge4": (MERGE, merge4, "combine vec4"),
 }

@@ -15,7 +15,7 @@
 //                                  (with RH > 1, an NHD cache: whole pages, as psa_partials.wgsl)
 //   3 v_cache storage, read        vec4<u32>, same layout
 //   4 plan    storage, read        u32 plan words, as psa_partials.wgsl
-//   5 o_out   storage, read_write  f32 [n_prows * D]
+//   5 o_out   storage, read_write  vec4<f32> [n_prows * D / 4]
 //   6 ml_out  storage, read_write  vec2<f32> [n_prows]
 //
 // The loader prepends `enable f16;` and `enable chromium_experimental_subgroup_matrix;` (the
@@ -165,7 +165,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read> k_cache: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> v_cache: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> plan: array<u32>;
-@group(0) @binding(5) var<storage, read_write> o_out: array<f32>;
+@group(0) @binding(5) var<storage, read_write> o_out: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read_write> ml_out: array<vec2<f32>>;
 
 // The capacity of the word array (the builtins take no override-sized array): the largest
@@ -213,16 +213,15 @@ fn hi11(x: vec4<f32>) -> vec4<f32> {
 fn pow2(e: i32) -> f32 {
     return bitcast<f32>(u32(127 + e) << 23u);
 }
-// 1 in each 16-bit half of w whose float16 is NaN or +-inf (bit 0: low half, bit 1: high half)
-fn nonfinite_halves(w: u32) -> u32 {
-    return select(0u, 1u, (w & 0x7c00u) == 0x7c00u) | select(0u, 2u, (w & 0x7c000000u) == 0x7c000000u);
+// Bit 15 (31) of each word set where its low (high) float16 is NaN or +-inf, the others 0: that
+// half's exponent field plus one carries into its sign bit only when it is all ones, and never
+// past it (the same answer as a test per half, in three operations per word: the staged K/V tiles
+// are tested on every load, which cost 0.21 ms of the prefill layer's 4.6 on an H200)
+fn nonfinite_bits(u: vec4<u32>) -> vec4<u32> {
+    return ((u & vec4<u32>(0x7c007c00u)) + vec4<u32>(0x04000400u)) & vec4<u32>(0x80008000u);
 }
 
-// Float k of row r (a score, or an element of o), as a word component
-fn s_get(r: u32, k: u32) -> f32 {
-    let i = r * SBF + k;
-    return bitcast<f32>(wmem[i / 4u][i % 4u]);
-}
+// Score k of row r as a word component (the FMA path writes its scores one at a time)
 fn s_set(r: u32, k: u32, x: f32) {
     let i = r * SBF + k;
     wmem[i / 4u][i % 4u] = bitcast<u32>(x);
@@ -261,12 +260,10 @@ fn store_unit(x: u32, u_in: vec4<u32>, which: u32) -> bool {
     let k = x / D8;
     let j = x - k * D8;
     var u = u_in;
-    let f = vec4<u32>(nonfinite_halves(u.x), nonfinite_halves(u.y), nonfinite_halves(u.z), nonfinite_halves(u.w));
-    let bad = any(f != vec4<u32>(0u));
+    let f = nonfinite_bits(u);
+    let bad = any((f.xy | f.zw) != vec2<u32>(0u));
     if (bad && which == 1u) {
-        let keep = ~(select(vec4<u32>(0u), vec4<u32>(0xffffu), (f & vec4<u32>(1u)) != vec4<u32>(0u))
-                     | select(vec4<u32>(0u), vec4<u32>(0xffff0000u), (f & vec4<u32>(2u)) != vec4<u32>(0u)));
-        u = u & keep;
+        u = u & ~((f >> vec4<u32>(15u)) * vec4<u32>(0xffffu));  // 0xffff over each such half
     }
     wmem[KVW + k * HW + j] = u;
     return bad;
@@ -1071,28 +1068,33 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
         let any_poison = poisoned != 0u;
-        for (var j = 0u; j < (RMAX * D + WG - 1u) / WG; j++) {
+        // four components a store (o[4 c .. 4 c + 3] of row r is word r SW + c): a quarter of the
+        // loop's work of one component a store, in a kernel whose instructions set its pace
+        for (var j = 0u; j < (RMAX * QV + WG - 1u) / WG; j++) {
             let x = tid + j * WG;
-            if (x >= n_rows * D) {
+            if (x >= n_rows * QV) {
                 break;
             }
-            let r = x / D;
-            let d = x - r * D;
-            var o = s_get(r, d);
+            let r = x / QV;
+            let c = x - r * QV;
+            var o = bitcast<vec4<f32>>(wmem[r * SW + c]);
             if (any_poison) {
-                let c = (atomicLoad(&poison[r * NPW_POISON + d / 16u]) >> (2u * (d % 16u))) & 3u;
-                if (c == 3u) {
-                    o = bitcast<f32>(NAN_BITS);
-                } else if (c == 1u) {
-                    o = bitcast<f32>(INF_BITS);
-                } else if (c == 2u) {
-                    o = bitcast<f32>(MINF_BITS);
+                for (var i = 0u; i < 4u; i++) {
+                    let d = 4u * c + i;
+                    let code = (atomicLoad(&poison[r * NPW_POISON + d / 16u]) >> (2u * (d % 16u))) & 3u;
+                    if (code == 3u) {
+                        o[i] = bitcast<f32>(NAN_BITS);
+                    } else if (code == 1u) {
+                        o[i] = bitcast<f32>(INF_BITS);
+                    } else if (code == 2u) {
+                        o[i] = bitcast<f32>(MINF_BITS);
+                    }
                 }
             }
             if (is_nan(row_l[r])) {
-                o = bitcast<f32>(NAN_BITS);
+                o = vec4<f32>(bitcast<f32>(NAN_BITS));
             }
-            o_out[(prow0 + r) * D + d] = o;
+            o_out[(prow0 + r) * QV + c] = o;
         }
         for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
             let r = tid + j * WG;
