@@ -43,6 +43,11 @@ Versions (``NAME``):
   nocheck   the staged K/V units stored without their test for NaN and +-inf: timing only (the
             same bits where the caches are finite)
   noexp     the softmax's exp left out (p = s - m): timing only
+  spfast    the softmax's weights without their NaN test where a lane's can hold no NaN (its
+            entering scores and the row's maximum finite): a loop of its own, same bits; not
+            yet timed
+  noqsplit  the queries neither scaled nor split, their maxima not folded (what a split made
+            once per layer, before the items, could save at most): timing only; not yet timed
   mergeseq  the combine reads each element's partial rows in the order they lie in the buffer
             (element i of the list: rows i G .. i G + G - 1), every row once, as a layout of
             the partial rows by (query, KV head) would give: timing only, the bound of such a layout
@@ -300,6 +305,25 @@ def noexp(s: str) -> str:
     return _rep(s, "p = exp(sv[j + t][c] - m_new);", "p = sv[j + t][c] - m_new;")
 
 
+def spfast(s: str) -> str:
+    head = "        for (var jw = 0u; jw < NKL / 2u; jw++) {  // a word of weights: 8 positions\n"
+    a = s.index(head)
+    b = s.index("        // the codes' bits at k % 32 for position k = kb0 + bit")
+    loop = s[a:b]
+    fast = _rep(loop, "let pm = select(p, 0.0, is_nan(p));", "let pm = p;  // (no NaN: the lane's scores and m are finite)")
+    ind = lambda t: "".join("    " + x if x.strip() else x for x in t.splitlines(keepends=True))
+    cond = ("        let fast = !m_nan && bitcast<u32>(mx) != INF_BITS\n"
+            "                   && (bitcast<u32>(m_new) & 0x7f800000u) != 0x7f800000u;\n")
+    return s[:a] + cond + "        if (fast) {\n" + ind(fast) + "        } else {\n" + ind(loop) + "        }\n" + s[b:]
+
+
+def noqsplit(s: str) -> str:
+    s = _rep(s, "    atomicMax(&row_qmax[x / QV], mb);\n", "")
+    a = s.index("    let mb = atomicLoad(&row_qmax[r]);\n")
+    b = s.index("    if (c == 0u) {\n        row_down[r] = pow2(-e);")
+    return s[:a] + "    hi = vec4<f16>(v);\n    lo = hi;\n    let e = 0;\n" + s[b:]
+
+
 def mergeseq(s: str) -> str:
     return _rep(s, "        let e = plan[eo + i] * gs + sub;", "        let e = (i + eo * 0u) * gs + sub;")
 
@@ -331,6 +355,8 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "nosoftmax": (PARTIALS, nosoftmax, "no softmax (timing)"),
     "nocheck": (PARTIALS, nocheck, "K/V unchecked (timing)"),
     "noexp": (PARTIALS, noexp, "no exp (timing)"),
+    "spfast": (PARTIALS, spfast, "softmax fast loop"),
+    "noqsplit": (PARTIALS, noqsplit, "queries not split (timing)"),
     "mergeseq": (MERGE, mergeseq, "combine in buffer order (timing)"),
     "merge4": (MERGE, merge4, "combine vec4"),
 }
