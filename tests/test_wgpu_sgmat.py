@@ -152,6 +152,8 @@ def test_batch_invariance_cannot_be_combined_with_the_sgmat_kernel(WgpuBackend):
     (12, 16, 2, 2, 8, (30,)),       # D = 16, blocks of 4: items of 64 rows, one 16-position tile
     (13, 64, 16, 4, 8, (50, 20)),   # items of 64 rows, blocks of 64
     (14, 256, 16, 4, 4, (24, 9)),   # D = 256: sixteen pairs of query matrices
+    (15, 64, 32, 8, 8, (40, 12)),   # blocks of 256 in pages of 32: a softmax lane's 32 positions
+                                    # in one page (one lookup a lane; seeds 11 and 12 look up each position)
 ])
 def test_the_sgmat_kernel_on_its_geometries_matches_the_reference_and_the_fma_kernels_special_values(
         backend, seed, D, page_size, ppb, G, seqlens):
