@@ -867,7 +867,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     }
                     psum += p;  // (a NaN p stays in the sum)
                     let pm = select(p, 0.0, is_nan(p));
-                    let h = bitcast<f32>(bitcast<u32>(pm) & 0xffffe000u);  // hi11
+                    let h = hi11(vec4<f32>(pm, 0.0, 0.0, 0.0)).x;
                     ph[c] = h;
                     pl[c] = pm - h;
                 }
