@@ -51,6 +51,11 @@ Versions (``NAME``):
   mergeseq  the combine reads each element's partial rows in the order they lie in the buffer
             (element i of the list: rows i G .. i G + G - 1), every row once, as a layout of
             the partial rows by (query, KV head) would give: timing only, the bound of such a layout
+  mergepf   the combine issues the loads of each chunk of 8 elements while it merges the chunk
+            before (16 elements' loads in flight instead of 8), same bits
+  nofbar    the K and V tiles' flags read without the barrier after the tile is stored (one
+            barrier a tile instead of two, the products racing the stores): timing only, what
+            that barrier costs
   merge4    the combine reads and writes each invocation's four components as one vec4 (four
             consecutive components instead of four D / 4 apart), same bits
 """
@@ -285,9 +290,9 @@ def nowrite(s: str) -> str:
     s = _rep(s, "            o_out[(prow0 + r) * QV + c] = o;",
              "            if (bitcast<u32>(o.x) == 0x7f800001u) {  // (never: the value stays computed)\n"
              "                o_out[(prow0 + r) * QV + c] = o;\n            }")
-    return _rep(s, "            ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);",
-                "            if (bitcast<u32>(row_m[r]) == 0x7f800001u) {\n"
-                "                ml_out[prow0 + r] = vec2<f32>(row_m[r], row_l[r]);\n            }")
+    return _rep(s, "            ml_out[prow0 + r] = bitcast<vec2<f32>>(wmem[row_word(r)].xy);",
+                "            if (wmem[row_word(r)].x == 0x7f800001u) {\n"
+                "                ml_out[prow0 + r] = bitcast<vec2<f32>>(wmem[row_word(r)].xy);\n            }")
 
 
 def nosoftmax(s: str) -> str:
@@ -320,7 +325,7 @@ def spfast(s: str) -> str:
 def noqsplit(s: str) -> str:
     s = _rep(s, "    atomicMax(&row_qmax[x / QV], mb);\n", "")
     a = s.index("    let mb = atomicLoad(&row_qmax[r]);\n")
-    b = s.index("    if (c == 0u) {\n        row_down[r] = pow2(-e);")
+    b = s.index("    if (c == 0u) {\n        wmem[row_word(r)].z = bitcast<u32>(pow2(-e));")
     return s[:a] + "    hi = vec4<f16>(v);\n    lo = hi;\n    let e = 0;\n" + s[b:]
 
 
@@ -337,6 +342,26 @@ def merge4(s: str) -> str:
     a = s.index("    let b = dest * D + d0;\n    dst_o[b] = o.x;")
     b = s.index("    if (d0 == 0u) {\n        dst_ml")
     return s[:a] + "    dst_o[(dest * D) / 4u + d0] = o;\n" + s[b:]
+
+
+def mergepf(s: str) -> str:
+    loads = "".join(f"        let e{n} = elem(eo, c{f' + {n}u' if n else ''}, end, gs, sub, d0);\n" for n in range(8))
+    head = "        let c = start + c_i * 8u;\n"
+    first = "".join(f"    var a{n} = elem(eo, start + {n}u, end, gs, sub, d0);\n" for n in range(8))
+    swap = ("        let c = start + (c_i + 1u) * 8u;  // the next chunk's loads fly while this one merges\n"
+            + "".join(f"        let e{n} = a{n};\n" for n in range(8))
+            + "".join(f"        a{n} = elem(eo, c + {n}u, end, gs, sub, d0);\n" for n in range(8)))
+    s = _rep(s, head + loads, swap)
+    return _rep(s, "    for (var c_i = 0u; c_i < c_n; c_i++) {\n", first + "    for (var c_i = 0u; c_i < c_n; c_i++) {\n")
+
+
+def nofbar(s: str) -> str:
+    for flag in ("flag0", "flag1"):
+        old = f"                bad = workgroupUniformLoad(&{flag});\n"
+        if s.count(old) != 2:
+            raise SystemExit(f"edit does not apply ({s.count(old)} matches): {old!r}")
+        s = s.replace(old, f"                bad = {flag};\n")
+    return s
 
 
 VERSIONS = {  # name: (kernel file, edit, label)
@@ -359,6 +384,8 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "noqsplit": (PARTIALS, noqsplit, "queries not split (timing)"),
     "mergeseq": (MERGE, mergeseq, "combine in buffer order (timing)"),
     "merge4": (MERGE, merge4, "combine vec4"),
+    "mergepf": (MERGE, mergepf, "combine chunks prefetched"),
+    "nofbar": (PARTIALS, nofbar, "no barrier after a tile's stores (timing)"),
 }
 
 
