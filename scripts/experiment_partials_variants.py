@@ -14,7 +14,8 @@ The versions apply to the kernel whose items load their queries and first K tile
 start; the script at revision 0d2cd8a also holds ``noqpf`` and ``nokpf``, the versions that led
 there (the kernel before loaded them during the item before, into registers), and the script at
 revision c23094a ``nokey`` and ``ballots``, versions of the softmax as it was before its
-positions' readability was looked up once per lane.
+positions' readability was looked up once per lane; at 656ea65 ``noatom`` (the rows' maxima
+stored, not folded by atomics, which the kernel no longer uses where D = 128).
 
 Versions (``NAME``):
   kdirect   the score products load K straight from the cache (no staged K tile, no barrier per
@@ -25,7 +26,6 @@ Versions (``NAME``):
             registers first, the codes of the rare path moved to their own array): 4 barriers in
             place of 2 per V tile, same bits
   interleave the softmax's lanes read and write interleaved words (no bank conflicts): timing only
-  noatom    the rows' largest |q| stored, not folded with atomics: timing only
   recsmem   the next item's record through workgroup memory instead of registers: same bits
   recend    the next item's record read with its rows (during the softmax), not at the item's
             start: same bits
@@ -235,9 +235,8 @@ def recsmem(s: str) -> str:
     invocations and stored before the queries' first barrier, instead of held in every
     invocation's registers through the scores; read back (uniformly) before the softmax."""
     s = _rep(s, _RECORD_READS, "        var rec_w = 0u;\n        if (tid < 7u) {\n            rec_w = plan[nib + tid];\n        }\n")
-    s = _rep(s, "        workgroupBarrier();  // (the maxima and the flag; a plain read after it, see FLAG READS)\n",
-             "        if (tid < 7u) {\n            next_rec[tid] = rec_w;\n        }\n"
-             "        workgroupBarrier();  // (the maxima and the flag; a plain read after it, see FLAG READS)\n")
+    bar = "        workgroupBarrier();  // (the split rows and the item's flag; a plain read, see FLAG READS)\n"
+    s = _rep(s, bar, "        if (tid < 7u) {\n            next_rec[tid] = rec_w;\n        }\n" + bar)
     s = _rep(s, "        var n_len = 0u;\n",
              "        let rec = workgroupUniformLoad(&next_rec);  // (a barrier more per item)\n"
              + "".join(f"        let n_{w} = rec[{i}];\n" for i, w in enumerate(_RECORD))
@@ -251,10 +250,6 @@ def recend(s: str) -> str:
     the item starts: those reads then wait for it."""
     s = _rep(s, _RECORD_READS, "")
     return _rep(s, "        var n_len = 0u;\n", _RECORD_READS + "        var n_len = 0u;\n")
-
-
-def noatom(s: str) -> str:
-    return _rep(s, "    atomicMax(&row_qmax[x / QV], mb);", "    if (x % QV == 0u) { atomicStore(&row_qmax[x / QV], mb); }")
 
 
 def qreload(s: str) -> str:
@@ -324,8 +319,8 @@ def spfast(s: str) -> str:
 
 
 def noqsplit(s: str) -> str:
-    s = _rep(s, "    atomicMax(&row_qmax[x / QV], mb);\n", "")
-    a = s.index("    let mb = atomicLoad(&row_qmax[r]);\n")
+    s = _rep(s, "            mb = max(mb, subgroupShuffleXor(mb, o));\n", "")
+    a = s.index("    var mb = mb_x;")
     b = s.index("    if (c == 0u) {\n        wmem[row_word(r)].z = bitcast<u32>(pow2(-e));")
     return s[:a] + "    hi = vec4<f16>(v);\n    lo = hi;\n    let e = 0;\n" + s[b:]
 
@@ -368,7 +363,6 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "chain2": (PARTIALS, chain2, "two chains (timing)"),
     "vblock": (PARTIALS, vblock, "V block at once"),
     "interleave": (PARTIALS, interleave, "softmax interleaved (timing)"),
-    "noatom": (PARTIALS, noatom, "no q-max atomics (timing)"),
     "recsmem": (PARTIALS, recsmem, "next record in workgroup memory"),
     "recend": (PARTIALS, recend, "next record read at the softmax"),
     "qreload": (PARTIALS, qreload, "queries reloaded per tile (timing)"),

@@ -154,6 +154,10 @@ override NPW: u32 = 528u;                  // persistent workgroups (the host se
 override QV: u32 = D / 4u;                 // vec4 per query row
 override LD: u32 = (TK * D8 + WG - 1u) / WG;  // K/V units per invocation and tile (<= 8)
 override LQ: u32 = (RMAX * QV + WG - 1u) / WG;  // query units per invocation (<= 8)
+// a row's QV query units are QV consecutive invocations of one subgroup (unit x is invocation
+// x % WG): its maximum is a butterfly of shuffles, no atomics and no barrier (on an H200 the
+// prefill layer's partials and combine 4.326 -> 4.142 ms, the same bits; benchmarks, 2026-12-04)
+override QSG: bool = QV <= 32u && (QV & (QV - 1u)) == 0u;
 // NDT <= 8: eight named accumulators, D / 16 <= 16 pairs of named query matrices (no arrays: an
 // array of matrices indexed in a loop may live in local memory), those past NDT and D / 16
 // removed by the compiler (pipeline constants)
@@ -299,20 +303,25 @@ fn row_query(r: u32, erec: u32, g0: u32, ng: u32) -> u32 {
     return ((plan[erec + 2u * ie] * params.group + g0 + (r - ie * ng)) * D) / 4u;
 }
 
-// Fold |v| into its row's maximum; true if v holds NaN or +-inf.
-fn q_max(x: u32, v: vec4<f32>) -> bool {
-    if (x >= RMAX * QV) {
-        return false;
-    }
+// The bits of the largest |q| of unit x: with QSG its row's (a butterfly over the row's QV
+// lanes; every invocation calls it, as shuffles need), else the unit's own, folded into its row's
+// maximum with an atomic (read after a barrier); 0 past the item's units.
+fn q_fold(x: u32, v: vec4<f32>) -> u32 {
     let a = bitcast<vec4<u32>>(v) & vec4<u32>(0x7fffffffu);
-    let mb = max(max(a.x, a.y), max(a.z, a.w));
-    atomicMax(&row_qmax[x / QV], mb);
-    return mb >= 0x7f800000u;
+    var mb = max(max(a.x, a.y), max(a.z, a.w));
+    if (QSG) {
+        for (var o = QV / 2u; o > 0u; o = o / 2u) {
+            mb = max(mb, subgroupShuffleXor(mb, o));
+        }
+    } else if (x < RMAX * QV) {
+        atomicMax(&row_qmax[x / QV], mb);
+    }
+    return select(mb, 0u, x >= RMAX * QV);
 }
 
 // The scaled hi / lo split of query unit x into its row's words (hi at word r SW + c / 2, lo PW
 // words further; two halves a u32; zeros for a row with a non-finite q: its scores come from FMAs)
-fn q_split(x: u32, v: vec4<f32>) {
+fn q_split(x: u32, v: vec4<f32>, mb_x: u32) {
     if (x >= RMAX * QV) {
         return;
     }
@@ -320,7 +329,10 @@ fn q_split(x: u32, v: vec4<f32>) {
     let c = x - r * QV;
     var hi = vec4<f16>(0.0);
     var lo = vec4<f16>(0.0);
-    let mb = atomicLoad(&row_qmax[r]);
+    var mb = mb_x;  // (the row's maximum with QSG)
+    if (!QSG) {
+        mb = atomicLoad(&row_qmax[r]);
+    }
     // max in [2^E, 2^(E+1)) -> e = 14 - E puts it in [2^14, 2^15); subnormal maxima count as
     // 2^-127; e stays in [-113, 126] so that 2^e and 2^-e are normal floats
     let e = clamp(14 - (max(i32(mb >> 23u), 0) - 127), -113, 126);
@@ -483,34 +495,44 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         // each row's largest |q| (bit patterns of non-negative floats order like the values;
         // NaN and +-inf lie above every finite one), then the scaled hi / lo split
         var qbad = false;
-        if (LQ > 0u) { qbad = qbad | q_max(tid + 0u * WG, q0); }
-        if (LQ > 1u) { qbad = qbad | q_max(tid + 1u * WG, q1); }
-        if (LQ > 2u) { qbad = qbad | q_max(tid + 2u * WG, q2); }
-        if (LQ > 3u) { qbad = qbad | q_max(tid + 3u * WG, q3); }
-        if (LQ > 4u) { qbad = qbad | q_max(tid + 4u * WG, q4); }
-        if (LQ > 5u) { qbad = qbad | q_max(tid + 5u * WG, q5); }
-        if (LQ > 6u) { qbad = qbad | q_max(tid + 6u * WG, q6); }
-        if (LQ > 7u) { qbad = qbad | q_max(tid + 7u * WG, q7); }
-        if (qbad) {
+        var mb0 = 0u;
+        var mb1 = 0u;
+        var mb2 = 0u;
+        var mb3 = 0u;
+        var mb4 = 0u;
+        var mb5 = 0u;
+        var mb6 = 0u;
+        var mb7 = 0u;
+        if (LQ > 0u) { mb0 = q_fold(tid + 0u * WG, q0); }
+        if (LQ > 1u) { mb1 = q_fold(tid + 1u * WG, q1); }
+        if (LQ > 2u) { mb2 = q_fold(tid + 2u * WG, q2); }
+        if (LQ > 3u) { mb3 = q_fold(tid + 3u * WG, q3); }
+        if (LQ > 4u) { mb4 = q_fold(tid + 4u * WG, q4); }
+        if (LQ > 5u) { mb5 = q_fold(tid + 5u * WG, q5); }
+        if (LQ > 6u) { mb6 = q_fold(tid + 6u * WG, q6); }
+        if (LQ > 7u) { mb7 = q_fold(tid + 7u * WG, q7); }
+        if (max(max(max(mb0, mb1), max(mb2, mb3)), max(max(mb4, mb5), max(mb6, mb7))) >= 0x7f800000u) {
             q_bad = 1u;
         }
-        workgroupBarrier();  // (the maxima and the flag; a plain read after it, see FLAG READS)
+        if (!QSG) {
+            workgroupBarrier();  // (the rows' maxima folded by atomics)
+        }
+        if (LQ > 0u) { q_split(tid + 0u * WG, q0, mb0); }
+        if (LQ > 1u) { q_split(tid + 1u * WG, q1, mb1); }
+        if (LQ > 2u) { q_split(tid + 2u * WG, q2, mb2); }
+        if (LQ > 3u) { q_split(tid + 3u * WG, q3, mb3); }
+        if (LQ > 4u) { q_split(tid + 4u * WG, q4, mb4); }
+        if (LQ > 5u) { q_split(tid + 5u * WG, q5, mb5); }
+        if (LQ > 6u) { q_split(tid + 6u * WG, q6, mb6); }
+        if (LQ > 7u) { q_split(tid + 7u * WG, q7, mb7); }
+        workgroupBarrier();  // (the split rows and the item's flag; a plain read, see FLAG READS)
         let item_fma = q_bad;
-        if (LQ > 0u) { q_split(tid + 0u * WG, q0); }
-        if (LQ > 1u) { q_split(tid + 1u * WG, q1); }
-        if (LQ > 2u) { q_split(tid + 2u * WG, q2); }
-        if (LQ > 3u) { q_split(tid + 3u * WG, q3); }
-        if (LQ > 4u) { q_split(tid + 4u * WG, q4); }
-        if (LQ > 5u) { q_split(tid + 5u * WG, q5); }
-        if (LQ > 6u) { q_split(tid + 6u * WG, q6); }
-        if (LQ > 7u) { q_split(tid + 7u * WG, q7); }
-        workgroupBarrier();
-        // the next item's maxima, poison marks and flags start clear: every read of them (the
-        // split above, the item before's rows written out, the flag read at the maxima) is past a
-        // barrier, and their next writes past another
+        // the next item's maxima and poison marks start clear: every read of them (the split
+        // above, the item before's rows written out) is past a barrier, and their next writes
+        // past another (the item's flag is cleared after the softmax's barrier)
         for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
             let r = tid + j * WG;
-            if (r >= RMAX) {
+            if (QSG || r >= RMAX) {
                 break;
             }
             atomicStore(&row_qmax[r], 0u);
@@ -523,7 +545,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             atomicStore(&poison[x], 0u);
         }
         if (tid == 0u) {
-            q_bad = 0u;
             poisoned = 0u;
         }
         // the subgroup's row block of split queries, held in registers for every K tile
@@ -877,6 +898,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             found = found || fo;
         }
         workgroupBarrier();  // every row's scores are in registers: the weights may overwrite them
+        if (tid == 0u) {
+            q_bad = 0u;  // (read after the split's barrier; set again in the next item's query phase)
+        }
         // p = exp(s - m) where the weight enters, 0 elsewhere (a removed position adds nothing to
         // l: adding +0 leaves l's bits as they are); split as Q (hi = hi11(p), lo = f16(p - hi)),
         // a NaN weight entering the product as 0 (its row's o is made NaN at the end)

@@ -46,4 +46,4 @@ def test_each_version_edits_its_kernel_and_compiles_under_tint(name, tint_device
 
 def test_an_edit_that_does_not_apply_stops_the_script():
     with pytest.raises(SystemExit, match="does not apply"):
-        V.noatom("a kernel without the rows' maxima")
+        V.qhot("a kernel without the queries' loads")

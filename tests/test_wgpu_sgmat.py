@@ -154,6 +154,8 @@ def test_batch_invariance_cannot_be_combined_with_the_sgmat_kernel(WgpuBackend):
     (14, 256, 16, 4, 4, (24, 9)),   # D = 256: sixteen pairs of query matrices
     (15, 64, 32, 8, 8, (40, 12)),   # blocks of 256 in pages of 32: a softmax lane's 32 positions
                                     # in one page (one lookup a lane; seeds 11 and 12 look up each position)
+    (16, 96, 16, 4, 8, (30, 10)),   # D = 96: a query row's 24 units are not a power of two (its
+                                    # maximum folded by atomics; 16 and 64 by shuffles, 256 by atomics)
 ])
 def test_the_sgmat_kernel_on_its_geometries_matches_the_reference_and_the_fma_kernels_special_values(
         backend, seed, D, page_size, ppb, G, seqlens):
@@ -186,6 +188,7 @@ def test_the_sgmat_kernel_on_its_geometries_matches_the_reference_and_the_fma_ke
 @pytest.mark.parametrize("seed, D, page_size, ppb, G, seqlens", [
     (21, 64, 16, 4, 8, (50, 20)),   # items of 64 rows, blocks of 64
     (22, 128, 8, 25, 8, (40, 3)),   # blocks of 200 positions: BK 256, items of 32 rows
+    (23, 96, 16, 4, 8, (40, 12)),   # the rows' maxima by atomics, cleared between items
 ])
 def test_workgroups_that_loop_over_items_give_the_bits_of_one_workgroup_per_item(
         backend, monkeypatch, seed, D, page_size, ppb, G, seqlens):
