@@ -15,17 +15,16 @@ start; the script at revision 0d2cd8a also holds ``noqpf`` and ``nokpf``, the ve
 there (the kernel before loaded them during the item before, into registers), and the script at
 revision c23094a ``nokey`` and ``ballots``, versions of the softmax as it was before its
 positions' readability was looked up once per lane; at 656ea65 ``noatom`` (the rows' maxima
-stored, not folded by atomics, which the kernel no longer uses where D = 128).
+stored, not folded by atomics, which the kernel no longer uses where D = 128); at fb24a18
+``vblock`` and ``interleave`` (the V block staged at once; the softmax's lanes reading and
+writing interleaved words), for the split weights' layout before each lane wrote over its own
+scores.
 
 Versions (``NAME``):
   kdirect   the score products load K straight from the cache (no staged K tile, no barrier per
             K tile; every subgroup busy), same bits on finite data in valid pages
   chain2    each score tile summed in two accumulators (even and odd 16-column steps of the head
             dim, two dependent chains of 8 products instead of one of 16): timing only
-  vblock    o += P V with the whole V block staged at once (each subgroup's split weights held in
-            registers first, the codes of the rare path moved to their own array): 4 barriers in
-            place of 2 per V tile, same bits
-  interleave the softmax's lanes read and write interleaved words (no bank conflicts): timing only
   recsmem   the next item's record through workgroup memory instead of registers: same bits
   recend    the next item's record read with its rows (during the softmax), not at the item's
             start: same bits
@@ -122,109 +121,6 @@ def chain2(s: str) -> str:
     return _rep(s, st, st + f"\n{I}            " + st.replace(", acc, ", ", acc2, "))
 
 
-VBLOCK_FUNCTIONS = '''
-fn load_vblock(x: u32) -> vec4<u32> {
-    var u = vec4<u32>(0u);
-    if (x < BK * D8) {
-        let k = x / D8;
-        let row = key_src[k];
-        if (row != INVALID) {
-            u = v_cache[row + x - k * D8];
-        }
-    }
-    return u;
-}
-
-fn store_vblock(x: u32, u_in: vec4<u32>) -> bool {
-    if (x >= BK * D8) {
-        return false;
-    }
-    let k = x / D8;
-    let f = nonfinite_bits(u_in);
-    let bad = any((f.xy | f.zw) != vec2<u32>(0u));
-    var u = u_in;
-    if (bad) {
-        u = u & ~((f >> vec4<u32>(15u)) * vec4<u32>(0xffffu));
-    }
-    wmem[k * HW + x - k * D8] = u;
-    return bad;
-}
-
-fn pv_step(acc: Result, ph: Left, pl: Left, at: u32) -> Result {
-    let b = subgroupMatrixLoad<Right, row_major>(&wmem, at, HW);
-    return subgroupMatrixMultiplyAccumulate(pl, b, subgroupMatrixMultiplyAccumulate(ph, b, acc));
-}
-
-'''
-
-
-def vblock(s: str) -> str:
-    s = _rep(s, "override PW: u32 = max(D, BK) / 8u + CW;", "override PW: u32 = max(D, BK) / 8u;")
-    s = _rep(s, "override LQ: u32 = (RMAX * QV + WG - 1u) / WG;",
-             "override LQ: u32 = (RMAX * QV + WG - 1u) / WG;\nconst VB: u32 = 1u;\n"
-             "override LV: u32 = (BK * D8 + WG - 1u) / WG;")
-    s = _rep(s, "const WCAP: u32 = 2784u;", "const WCAP: u32 = 2656u;")
-    s = _rep(s, "var<workgroup> key_src: array<u32, BK>;",
-             "var<workgroup> codes: array<vec4<u32>, 2u * RMAX * CW>;\nvar<workgroup> key_src: array<u32, BK>;")
-    s = _rep(s, """            let cw = max(D, BK) / 8u + kb0 / 128u;
-            wmem[sr * SW + cw][(kb0 % 128u) / 32u] = enters;
-            wmem[sr * SW + PW + cw][(kb0 % 128u) / 32u] = zero;""", """            let cw = 2u * (sr * CW + kb0 / 128u);
-            codes[cw][(kb0 % 128u) / 32u] = enters;
-            codes[cw + 1u][(kb0 % 128u) / 32u] = zero;""")
-    # the kernel's rare path of step 3 (one V tile) made a function of the positions it covers,
-    # reading the codes from their array
-    a = s.index("            if (bad != 0u) {\n                // NaN / +-inf values of the tile")
-    b = s.index("            for (var j = 0u; j < TK / 16u; j++) {\n                let kk = 16u * j;\n                let ah")
-    body = "\n".join(x[12:] for x in s[a:b].split("\n")[1:-2])  # inside `if (bad != 0u) {`, dedented
-    body = _rep(body, "x < TK * D;", "x < nk * D;")
-    body = _rep(body, "let cw = r * SW + max(D, BK) / 8u + kk / 128u;", "let cw = 2u * (r * CW + kk / 128u);")
-    body = _rep(_rep(body, "wmem[cw][", "codes[cw]["), "wmem[cw + PW][", "codes[cw + 1u][")
-    fn = "fn mark_poison(k0: u32, nk: u32, max_len: u32, n_rows: u32, tid: u32) {\n" + body + "\n}\n\n"
-    s = s[:a] + "            if (bad != 0u) {\n                mark_poison(k0, TK, max_len, n_rows, tid);\n            }\n" + s[b:]
-    s = _rep(s, "@compute @workgroup_size(WG)\nfn main(",
-             fn + VBLOCK_FUNCTIONS.lstrip("\n") + "@compute @workgroup_size(WG)\nfn main(")
-    old = "".join(f"            if (LD > {n}u) {{ t{n} = load_unit(tid + {n}u * WG, kl, nw); }}\n" for n in range(8))
-    s = _rep(s, old, "            if (kn < max_len) {\n"
-             + "".join(f"                if (LD > {n}u) {{ t{n} = load_unit(tid + {n}u * WG, kl, nw); }}\n" for n in range(8))
-             + "            } else {\n"
-             + "".join(f"                if (LV > {n}u) {{ t{n} = load_vblock(tid + {n}u * WG); }}\n" for n in range(8))
-             + "            }\n")
-    a = s.index("        for (var it = 0u; it < nkt; it++) {\n            let k0 = it * TK;\n            var tb = false;\n"
-                "            if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 1u); }")
-    b = s.index("        // 4. o through the words")
-    J = I + "    "
-    v = [I + "{", J + "workgroupBarrier();  // the weights are written"]
-    for j in range(8):
-        v += [J + f"var ph{j}: Left;", J + f"var pl{j}: Left;", J + f"if (BK / 16u > {j}u) {{",
-              J + f"    ph{j} = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + {2 * j}u, SW);",
-              J + f"    pl{j} = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + {2 * j}u, SW);",
-              J + "}"]
-    v += [J + "workgroupBarrier();  // every weight in registers: the V block may overwrite the rows",
-          J + "var tb = false;", J + "if (nkt > 0u) {"]
-    v += [J + f"    if (LV > {n}u) {{ tb = tb | store_vblock(tid + {n}u * WG, t{n}); }}" for n in range(8)]
-    v += [J + "}", J + "if (tb) {", J + "    set_flag(par);", J + "}", J + "var bad = 0u;",
-          J + "if (par == 0u) {", J + "    bad = workgroupUniformLoad(&flag0);", J + "} else {",
-          J + "    bad = workgroupUniformLoad(&flag1);", J + "}",
-          J + "if (tid == 0u) {", J + "    if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }", J + "}",
-          J + "if (bad != 0u) {",
-          J + "    mark_poison(0u, nkt * TK, max_len, n_rows, tid);", J + "}",
-          J + "let nks = nkt * (TK / 16u);"]
-    for j in range(8):
-        v += [J + f"if (BK / 16u > {j}u && nks > {j}u) {{"]
-        v += [J + f"    if (NDT > {n}u) {{ acc{n} = pv_step(acc{n}, ph{j}, pl{j}, {16 * j}u * HW + (cb + CS * {n}u) * 2u); }}"
-              for n in range(8)]
-        v += [J + "}"]
-    v += [J + "workgroupBarrier();", J + "par = 1u - par;", I + "}", ""]
-    return s[:a] + "\n".join(v) + s[b:]
-
-
-def interleave(s: str) -> str:
-    s = _rep(s, "v = bitcast<vec4<f32>>(wmem[sr * SW + (kb0 + 4u * j) / 4u]);",
-             "v = bitcast<vec4<f32>>(wmem[sr * SW + j * SL + sl]);")
-    s = _rep(s, "wmem[sr * SW + (kb0 + 4u * j) / 8u] = hw;", "wmem[sr * SW + jw * SL + sl] = hw;")
-    return _rep(s, "wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;", "wmem[sr * SW + PW + jw * SL + sl] = lw;")
-
-
 _RECORD = ("max_len", "ne", "g0", "ng", "erec", "pages", "prow0")
 # the kernel's reads of the next item's record, as it has them
 _RECORD_READS = "".join(f"        let n_{w} = plan[nib{f' + {i}u' if i else ''}];\n" for i, w in enumerate(_RECORD))
@@ -270,7 +166,7 @@ def nolo(s: str) -> str:
         s = _rep(s, f"acc = subgroupMatrixMultiplyAccumulate(ql{j}, b, acc);\n", "\n")
     for n in range(8):
         s = _rep(s, f"acc{n} = subgroupMatrixMultiplyAccumulate(al, b, acc{n});\n", "\n")
-    return _rep(s, "                let al = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + (k0 + kk) / 8u, SW);\n", "")
+    return _rep(s, "                let al = subgroupMatrixLoad<Left, row_major>(&wmem, pg + 2u, SW);\n", "")
 
 
 def kvhot(s: str) -> str:
@@ -361,8 +257,6 @@ def nofbar(s: str) -> str:
 VERSIONS = {  # name: (kernel file, edit, label)
     "kdirect": (PARTIALS, kdirect, "K from the cache"),
     "chain2": (PARTIALS, chain2, "two chains (timing)"),
-    "vblock": (PARTIALS, vblock, "V block at once"),
-    "interleave": (PARTIALS, interleave, "softmax interleaved (timing)"),
     "recsmem": (PARTIALS, recsmem, "next record in workgroup memory"),
     "recend": (PARTIALS, recend, "next record read at the softmax"),
     "qreload": (PARTIALS, qreload, "queries reloaded per tile (timing)"),

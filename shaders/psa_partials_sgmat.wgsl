@@ -31,8 +31,10 @@
 // different types can share the same words at different times. Per row r of the item, SW words
 // from word r SW: first the row's split query (hi at word 0, lo at word PW; D / 8 words each),
 // then its block of float32 scores (BK floats from word 0), then its split weights written over
-// the scores (P hi at word 0, P lo at word PW; BK / 8 words each) with two codes per position
-// in the words after each (below); o at the end (D floats from word 0). The K/V tile follows
+// the scores, by groups of 16 positions (group g's P hi in words 4 g, 4 g + 1, its P lo in 4 g + 2,
+// 4 g + 3: the words of its 16 scores, so a softmax lane overwrites only its own) with two codes
+// per position after them (CW words from word BK / 4, then CW more; below); o at the end (D
+// floats from word 0); the row's last word holds its m, l, scaling and edge length (row_word). The K/V tile follows
 // the rows (TK rows of HW words). SW = 2 PW + 1 and HW = D / 8 + 1 are odd, so the 8 rows a
 // matrix load reads per phase fall in distinct 16-byte bank groups.
 //
@@ -54,12 +56,12 @@
 //      keys), SL consecutive lanes per row, each NK = BK / SL consecutive positions: the lane
 //      reads its scores into registers and marks the positions whose weight enters (attended,
 //      readable, and not -inf: R26, -inf removes its position); m = their max (NaN kept), the
-//      lanes' maxima combined by shuffles; a barrier (every row's scores are read); p = exp(s - m)
+//      lanes' maxima combined by shuffles; p = exp(s - m)
 //      where the weight enters, else 0 (which leaves l as it is), l = sum p (the lane's
 //      positions in order, then a butterfly). The weights are written over the scores, split
 //      like Q (hi = hi11(p), lo = f16(p - hi); 0 for a NaN weight), with two bits per position
-//      for step 3's rare path: "its weight enters" (in the CW words after P hi) and "its weight
-//      is 0" (exp underflowed; after P lo). Measured on an H200 the softmax was a sixth of the
+//      for step 3's rare path: "its weight enters" (in the CW words after P) and "its weight
+//      is 0" (exp underflowed; the CW words after those). Measured on an H200 the softmax was a sixth of the
 //      prefill partials and combine (0.80 of 4.87 ms); it computes each weight once, with no
 //      marker for removed positions and one cache-row lookup per lane where its positions share
 //      a page (same bits as the version before; benchmarks, 2026-12-04). One block is one tile of the online softmax (R14): o is never rescaled, so it
@@ -115,8 +117,8 @@
 // same value, so what depends on it (MMA or FMA scores, the rare V path) is uniform in fact,
 // though not to Tint's analysis: those branches hold no barrier, and the subgroup-matrix and
 // subgroup uniformity diagnostics are off (below). On an H200 the nine barriers per item this
-// saves were 0.094 ms of the prefill layer's partials and combine, 4.349 -> 4.255 ms, the same
-// bits (benchmarks, 2026-12-04).
+// saves were about 0.06 ms of the prefill layer's partials and combine, the same bits
+// (benchmarks, 2026-12-04).
 //
 // The matrix builtins need subgroup-uniform arguments; Tint's analysis only knows workgroup
 // uniformity, and the tile offsets derive from the subgroup index tid / 32 (uniform within a
@@ -136,7 +138,7 @@ override TD: u32 = D / 4u;                 // vec4<f16> per cache row (the Param
 override D8: u32 = D / 8u;                 // vec4<u32> (8 halves) per cache row
 override SL: u32 = max(1u, WG / RMAX);     // softmax invocations per row (a power of two, <= 32: one butterfly)
 override CW: u32 = (BK + 127u) / 128u;     // words of one code (a bit per position)
-override PW: u32 = max(D, BK) / 8u + CW;   // words of a row's hi (or lo) half: data, then a code
+override PW: u32 = max(D, BK) / 8u + CW;   // word of a row's split query's lo half (its hi at 0)
 override SW: u32 = 2u * PW + 1u;           // words per row (odd)
 override SBF: u32 = 4u * SW;               // floats per row (scores, o)
 override HW: u32 = D8 + 1u;                // words per K/V tile row (odd)
@@ -155,8 +157,8 @@ override QV: u32 = D / 4u;                 // vec4 per query row
 override LD: u32 = (TK * D8 + WG - 1u) / WG;  // K/V units per invocation and tile (<= 8)
 override LQ: u32 = (RMAX * QV + WG - 1u) / WG;  // query units per invocation (<= 8)
 // a row's QV query units are QV consecutive invocations of one subgroup (unit x is invocation
-// x % WG): its maximum is a butterfly of shuffles, no atomics and no barrier (on an H200 the
-// prefill layer's partials and combine 4.326 -> 4.142 ms, the same bits; benchmarks, 2026-12-04)
+// x % WG): its maximum is a butterfly of shuffles, no atomics and no barrier (on an H200 about
+// 0.09 ms of the prefill layer's partials and combine, the same bits; benchmarks, 2026-12-04)
 override QSG: bool = QV <= 32u && (QV & (QV - 1u)) == 0u;
 // NDT <= 8: eight named accumulators, D / 16 <= 16 pairs of named query matrices (no arrays: an
 // array of matrices indexed in a loop may live in local memory), those past NDT and D / 16
@@ -192,7 +194,7 @@ var<workgroup> row_q: array<u32, RMAX>;             // vec4 index of the row's q
 // (the row's m, l, 2^-e and edge_len live in its last word: row_word)
 var<workgroup> row_qmax: array<atomic<u32>, RMAX>;  // bits of the row's largest |q|
 var<workgroup> poison: array<atomic<u32>, RMAX * NPW_POISON>;
-var<workgroup> q_bad: u32;      // 1: a query of the item holds NaN or +-inf (FMA scores)
+var<workgroup> q_bad: array<u32, 2>;  // [item parity] 1: a query of the item holds NaN or +-inf (FMA scores)
 var<workgroup> flag0: u32;      // 1: the tile holds NaN or +-inf at a readable position;
 var<workgroup> flag1: u32;      //    two flags, alternating by tile, so that a reset never races a set
 var<workgroup> poisoned: u32;   // 1: some (row, d) of the item is poisoned
@@ -435,7 +437,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         key_src[k] = key_row(k, max_len, pages);
     }
     if (tid == 0u) {
-        q_bad = 0u;
+        q_bad[0] = 0u;
+        q_bad[1] = 0u;
         flag0 = 0u;
         flag1 = 0u;
         poisoned = 0u;
@@ -512,7 +515,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (LQ > 6u) { mb6 = q_fold(tid + 6u * WG, q6); }
         if (LQ > 7u) { mb7 = q_fold(tid + 7u * WG, q7); }
         if (max(max(max(mb0, mb1), max(mb2, mb3)), max(max(mb4, mb5), max(mb6, mb7))) >= 0x7f800000u) {
-            q_bad = 1u;
+            q_bad[ii % 2u] = 1u;
         }
         if (!QSG) {
             workgroupBarrier();  // (the rows' maxima folded by atomics)
@@ -526,10 +529,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (LQ > 6u) { q_split(tid + 6u * WG, q6, mb6); }
         if (LQ > 7u) { q_split(tid + 7u * WG, q7, mb7); }
         workgroupBarrier();  // (the split rows and the item's flag; a plain read, see FLAG READS)
-        let item_fma = q_bad;
+        let item_fma = q_bad[ii % 2u];
         // the next item's maxima and poison marks start clear: every read of them (the split
         // above, the item before's rows written out) is past a barrier, and their next writes
-        // past another (the item's flag is cleared after the softmax's barrier)
+        // past another (the item's flag, by item parity, is cleared before o's barrier)
         for (var j = 0u; j < (RMAX + WG - 1u) / WG; j++) {
             let r = tid + j * WG;
             if (QSG || r >= RMAX) {
@@ -897,9 +900,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             m_new = select(select(m_new, mo, fo), nan_max(m_new, mo), found && fo);
             found = found || fo;
         }
-        workgroupBarrier();  // every row's scores are in registers: the weights may overwrite them
-        if (tid == 0u) {
-            q_bad = 0u;  // (read after the split's barrier; set again in the next item's query phase)
+        // Each lane writes its weights over its own scores only (NK >= 16: the P layout below), so
+        // no barrier is needed between the reads and the writes; with NK = 8 two lanes share a
+        // group of 16 positions and every row's scores must be read first. (On an H200 the
+        // barrier this saves was about 0.04 ms of the prefill layer's partials and combine:
+        // benchmarks, 2026-12-04.)
+        if (NK < 16u) {
+            workgroupBarrier();
         }
         // p = exp(s - m) where the weight enters, 0 elsewhere (a removed position adds nothing to
         // l: adding +0 leaves l's bits as they are); split as Q (hi = hi11(p), lo = f16(p - hi)),
@@ -935,9 +942,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 lw[2u * t] = bitcast<u32>(l16.xy);
                 lw[2u * t + 1u] = bitcast<u32>(l16.zw);
             }
-            if (sr < RMAX) {
-                wmem[sr * SW + (kb0 + 4u * j) / 8u] = hw;
-                wmem[sr * SW + PW + (kb0 + 4u * j) / 8u] = lw;
+            if (sr < RMAX) {  // positions p0 .. p0 + 7: half (p0 % 16) / 8 of their group's words
+                let p0 = kb0 + 4u * j;
+                let wi = sr * SW + (p0 / 16u) * 4u + (p0 % 16u) / 8u;
+                wmem[wi] = hw;
+                wmem[wi + 2u] = lw;
             }
         }
         // the codes' bits at k % 32 for position k = kb0 + bit (the lane's NK <= 32 positions
@@ -963,9 +972,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             zero |= subgroupShuffleXor(zero, o);
         }
         if (sr < RMAX && sl % CG == 0u) {
-            let cw = max(D, BK) / 8u + kb0 / 128u;
-            wmem[sr * SW + cw][(kb0 % 128u) / 32u] = enters;
-            wmem[sr * SW + PW + cw][(kb0 % 128u) / 32u] = zero;
+            let cw = sr * SW + BK / 4u + kb0 / 128u;
+            wmem[cw][(kb0 % 128u) / 32u] = enters;
+            wmem[cw + CW][(kb0 % 128u) / 32u] = zero;
         }
         if (sr < n_rows && sl == 0u) {  // (a row that attends nothing: m = l = 0, as m_new and psum are)
             wmem[row_word(sr)].x = bitcast<u32>(m_new);
@@ -1033,10 +1042,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                             for (var r = 0u; r < n_rows; r++) {  // rolled: a rare path (as above)
                                 if (k0 + k < min(wmem[row_word(r)].w, max_len)) {
                                     let kk = k0 + k;
-                                    let cw = r * SW + max(D, BK) / 8u + kk / 128u;  // (step 2's codes)
+                                    let cw = r * SW + BK / 4u + kk / 128u;  // (step 2's codes)
                                     let bit = 1u << (kk % 32u);
                                     if ((wmem[cw][(kk % 128u) / 32u] & bit) != 0u) {
-                                        let z = (wmem[cw + PW][(kk % 128u) / 32u] & bit) != 0u;
+                                        let z = (wmem[cw + CW][(kk % 128u) / 32u] & bit) != 0u;
                                         // 0 * inf = NaN (a weight that underflowed)
                                         let c = select(cls, 3u, z);
                                         atomicOr(&poison[r * NPW_POISON + d / 16u], c << (2u * (d % 16u)));
@@ -1050,8 +1059,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             for (var j = 0u; j < TK / 16u; j++) {
                 let kk = 16u * j;
-                let ah = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + (k0 + kk) / 8u, SW);
-                let al = subgroupMatrixLoad<Left, row_major>(&wmem, rb * 16u * SW + PW + (k0 + kk) / 8u, SW);
+                let pg = rb * 16u * SW + ((k0 + kk) / 16u) * 4u;  // (the group's words: P hi, P lo)
+                let ah = subgroupMatrixLoad<Left, row_major>(&wmem, pg, SW);
+                let al = subgroupMatrixLoad<Left, row_major>(&wmem, pg + 2u, SW);
                 if (NDT > 0u) {
                     let b = subgroupMatrixLoad<Right, row_major>(&wmem, KVW + kk * HW + (cb + CS * 0u) * 2u, HW);
                     acc0 = subgroupMatrixMultiplyAccumulate(ah, b, acc0);
@@ -1104,8 +1114,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         // maxima, poison marks and flags are cleared after the next item's queries are split;
         // the tile flags alternate over an even number of tiles, so the one the next item reads
         // first is clear.) On an H200 the two barriers per item this saved were 0.035 ms of the
-        // prefill layer's partials and combine, 4.329 -> 4.294 ms, the same bits (benchmarks,
-        // 2026-12-04).
+        // prefill layer's partials and combine, the same bits (benchmarks, 2026-12-04).
+        if (tid == 0u) {
+            q_bad[(ii + 1u) % 2u] = 0u;  // (the item before's, read after its split's barrier)
+        }
         if (has_next) {
             if (tid < RMAX) {
                 wmem[row_word(tid)].w = n_len;
