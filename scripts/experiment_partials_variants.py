@@ -56,6 +56,11 @@ Versions (``NAME``):
             products racing the stores): timing only, what that barrier costs (timed when the
             flags were read with workgroupUniformLoad, which Tint writes as two barriers around
             the load: three barriers a tile then, one now)
+  mergebr   the combine's element loads without branches (the index clamped to the segment's
+            last element, the values of one past its end replaced by an empty element's), so
+            that all of a chunk's loads can be issued together: same bits
+  merge256  the combine in workgroups of 256 invocations instead of 64 (the host's grid for 64:
+            three in four workgroups return at once): same bits
   merge4    the combine reads and writes each invocation's four components as one vec4 (four
             consecutive components instead of four D / 4 apart), same bits
 """
@@ -254,6 +259,34 @@ def nofbar(s: str) -> str:
     return s.replace(old, "")
 
 
+def mergebr(s: str) -> str:
+    a = s.index("fn elem(eo: u32, i: u32, end: u32, gs: u32, sub: u32, d0: u32) -> Elem {")
+    b = s.index("@compute @workgroup_size(WG)")
+    new = """fn elem(eo: u32, i: u32, end: u32, gs: u32, sub: u32, d0: u32) -> Elem {
+    let e = plan[eo + min(i, end - 1u)] * gs + sub;  // (end > 0 where it is called)
+    let b = e * D + d0;
+    var o = vec4<f32>(0.0);
+    o.x = src_o[b];
+    if (DV > 1u) {
+        o.y = src_o[b + DS];
+    }
+    if (DV > 2u) {
+        o.z = src_o[b + 2u * DS];
+        o.w = src_o[b + 3u * DS];
+    }
+    let ok = i < end;
+    return Elem(select(vec2<f32>(0.0), src_ml[e], ok), select(vec4<f32>(0.0), o, ok));
+}
+
+"""
+    return s[:a] + new + s[b:]
+
+
+def merge256(s: str) -> str:
+    s = _rep(s, "@compute @workgroup_size(WG)", "@compute @workgroup_size(256)")
+    return _rep(s, "    let x = (wid.y * params.grid_x + wid.x) * WG + lid;", "    let x = (wid.y * params.grid_x + wid.x) * 256u + lid;")
+
+
 VERSIONS = {  # name: (kernel file, edit, label)
     "kdirect": (PARTIALS, kdirect, "K from the cache"),
     "chain2": (PARTIALS, chain2, "two chains (timing)"),
@@ -272,6 +305,8 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "mergeseq": (MERGE, mergeseq, "combine in buffer order (timing)"),
     "merge4": (MERGE, merge4, "combine vec4"),
     "mergepf": (MERGE, mergepf, "combine chunks prefetched"),
+    "mergebr": (MERGE, mergebr, "combine loads without branches"),
+    "merge256": (MERGE, merge256, "combine in workgroups of 256"),
     "nofbar": (PARTIALS, nofbar, "no barrier after a tile's stores (timing)"),
 }
 

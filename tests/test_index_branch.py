@@ -228,6 +228,22 @@ def test_R21_shared_index_head_equals_repeated_heads():
     assert_scores_close(a, b.astype(np.float64), score_bound(c, True))
 
 
+def test_R34_gathered_index_keys_have_one_memory_layout_whatever_the_cache_layout():
+    """The numpy block scores' matmul sees the same operands, strides included, for an HND cache
+    and for the same logical cache in NHD (a transposed view): a BLAS may sum in another order
+    for other strides, which gave last-bit differences between the layouts on one machine (R34
+    asks for the same bits)."""
+    rng = np.random.default_rng(3)
+    hnd = rng.standard_normal((7, 2, 3, 4)).astype(np.float32)  # [P, Hk_idx, S, d]
+    nhd_view = np.ascontiguousarray(hnd.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    bt, blocks, offs = np.array([0, 1, 2]), np.arange(1), np.arange(3)
+    (ka, va, pa), (kb, vb, pb) = (numpy_impl._gather_keys(c, bt, blocks, 3, 1, 3, offs) for c in (hnd, nhd_view))
+    assert ka.flags["C_CONTIGUOUS"] and kb.flags["C_CONTIGUOUS"] and ka.strides == kb.strides
+    np.testing.assert_array_equal(ka, kb)
+    np.testing.assert_array_equal(va, vb)
+    np.testing.assert_array_equal(pa, pb)
+
+
 def test_R22_chunked_path_matches_reference(monkeypatch):
     monkeypatch.setattr(numpy_impl, "_CHUNK_ELEMS", 16)  # forces one block and one query per chunk
     c = make_case(7, B=2, msb=5, T=[4, 3], holes=0.2)

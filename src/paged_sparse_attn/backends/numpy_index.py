@@ -87,8 +87,11 @@ def _gather_keys(ik, bt_row, blocks, L, ppb, S, offs):
     valid = np.repeat(mapped, S, axis=1).reshape(-1) & (pos < L)
     K = ik[np.where(mapped, pages, 0)]  # [nb, ppb, Hk, S, d]
     K = K.transpose(2, 0, 1, 3, 4).reshape(ik.shape[1], -1, ik.shape[3])
-    # never let unmapped pages or positions >= L_b reach the arithmetic (R10 analogue)
-    K = np.where(valid[None, :, None], K, 0).astype(np.float32, copy=False)
+    # never let unmapped pages or positions >= L_b reach the arithmetic (R10 analogue). C order
+    # whatever the cache's layout (R34): np.where keeps its input's memory order, and an NHD
+    # cache's transposed view gave the matmul other strides, for which a BLAS may sum in another
+    # order (last-bit differences between the layouts, seen on one machine's numpy)
+    K = np.ascontiguousarray(np.where(valid[None, :, None], K, 0), dtype=np.float32)
     return K, valid, pos
 
 
