@@ -260,26 +260,11 @@ def nofbar(s: str) -> str:
 
 
 def mergebr(s: str) -> str:
-    a = s.index("fn elem(eo: u32, i: u32, end: u32, gs: u32, sub: u32, d0: u32) -> Elem {")
-    b = s.index("@compute @workgroup_size(WG)")
-    new = """fn elem(eo: u32, i: u32, end: u32, gs: u32, sub: u32, d0: u32) -> Elem {
-    let e = plan[eo + min(i, end - 1u)] * gs + sub;  // (end > 0 where it is called)
-    let b = e * D + d0;
-    var o = vec4<f32>(0.0);
-    o.x = src_o[b];
-    if (DV > 1u) {
-        o.y = src_o[b + DS];
-    }
-    if (DV > 2u) {
-        o.z = src_o[b + 2u * DS];
-        o.w = src_o[b + 3u * DS];
-    }
-    let ok = i < end;
-    return Elem(select(vec2<f32>(0.0), src_ml[e], ok), select(vec4<f32>(0.0), o, ok));
-}
-
-"""
-    return s[:a] + new + s[b:]
+    s = _rep(s, "    if (i < end) {\n        let e = plan[eo + i] * gs + sub;",
+             "    {  // (end > 0 where it is called)\n        let e = plan[eo + min(i, end - 1u)] * gs + sub;")
+    return _rep(s, "        return Elem(src_ml[e], o);",
+                "        let ok = i < end;\n"
+                "        return Elem(select(vec2<f32>(0.0), src_ml[e], ok), select(vec4<f32>(0.0), o, ok));")
 
 
 def merge256(s: str) -> str:

@@ -371,6 +371,17 @@ fn key_row(k: u32, max_len: u32, pages: u32) -> u32 {
     return row;
 }
 
+// Every (row, d) of the item unpoisoned (invocation tid's share of the words).
+fn clear_poison(tid: u32) {
+    for (var j = 0u; j < (RMAX * NPW_POISON + WG - 1u) / WG; j++) {
+        let x = tid + j * WG;
+        if (x >= RMAX * NPW_POISON) {
+            break;
+        }
+        atomicStore(&poison[x], 0u);
+    }
+}
+
 fn set_flag(par: u32) {
     if (par == 0u) {
         flag0 = 1u;
@@ -422,13 +433,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         row_q[r] = qo;
         atomicStore(&row_qmax[r], 0u);
     }
-    for (var j = 0u; j < (RMAX * NPW_POISON + WG - 1u) / WG; j++) {
-        let x = tid + j * WG;
-        if (x >= RMAX * NPW_POISON) {
-            break;
-        }
-        atomicStore(&poison[x], 0u);
-    }
+    clear_poison(tid);
     for (var j = 0u; j < (BK + WG - 1u) / WG; j++) {
         let k = tid + j * WG;
         if (k >= BK) {
@@ -540,13 +545,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             atomicStore(&row_qmax[r], 0u);
         }
-        for (var j = 0u; j < (RMAX * NPW_POISON + WG - 1u) / WG; j++) {
-            let x = tid + j * WG;
-            if (x >= RMAX * NPW_POISON) {
-                break;
-            }
-            atomicStore(&poison[x], 0u);
-        }
+        clear_poison(tid);
         if (tid == 0u) {
             poisoned = 0u;
         }
