@@ -107,7 +107,7 @@
 //   LD, LQ (derived) K/V and query units an invocation holds in registers: at most 8 each
 //   NPW   workgroups at most (persistent: each loops over every NPW-th item)
 // Workgroup memory (bytes, each variable rounded to 16): 16 * WCAP + 4 * BK + 2 * 4 * RMAX
-//   + 4 * RMAX * D / 16 + 4 * 16 (_sgmat.sgmat_workgroup_bytes: 47680 for D = 128, RMAX = 64
+//   + 4 * RMAX * D / 16 + 2 * 16 (_sgmat.sgmat_workgroup_bytes: 47648 for D = 128, RMAX = 64
 //   and BK = 128). The host checks RMAX * SW + TK * HW <= WCAP.
 
 // FLAG READS. The item's and each tile's flags are read after a workgroupBarrier with a plain
@@ -194,10 +194,13 @@ var<workgroup> row_q: array<u32, RMAX>;             // vec4 index of the row's q
 // (the row's m, l, 2^-e and edge_len live in its last word: row_word)
 var<workgroup> row_qmax: array<atomic<u32>, RMAX>;  // bits of the row's largest |q|
 var<workgroup> poison: array<atomic<u32>, RMAX * NPW_POISON>;
-var<workgroup> q_bad: array<u32, 2>;  // [item parity] 1: a query of the item holds NaN or +-inf (FMA scores)
-var<workgroup> flag0: u32;      // 1: the tile holds NaN or +-inf at a readable position;
-var<workgroup> flag1: u32;      //    two flags, alternating by tile, so that a reset never races a set
-var<workgroup> poisoned: u32;   // 1: some (row, d) of the item is poisoned
+// The flags in whole 16-byte words (scalars adding up to 12 bytes misplaced the matrix loads
+// and stores through Dawn on NVIDIA: docs/backends/dawn.md).
+// flags[par] (par = 0, 1): 1 where the tile holds NaN or +-inf at a readable position (two
+// flags, alternating by tile, so that a reset never races a set); flags.z: 1 where some
+// (row, d) of the item is poisoned
+var<workgroup> flags: vec4<u32>;
+var<workgroup> q_bad: vec4<u32>;  // [item parity] 1: a query of the item holds NaN or +-inf (FMA scores)
 
 
 const NEG_INF_BITS: u32 = 0xff800000u;
@@ -312,7 +315,11 @@ fn q_fold(x: u32, v: vec4<f32>) -> u32 {
     let a = bitcast<vec4<u32>>(v) & vec4<u32>(0x7fffffffu);
     var mb = max(max(a.x, a.y), max(a.z, a.w));
     if (QSG) {
-        for (var o = QV / 2u; o > 0u; o = o / 2u) {
+        for (var j = 0u; j < 5u; j++) {
+            let o = (QV / 2u) >> j;
+            if (o == 0u) {
+                break;  // (uniform: o depends on constants only)
+            }
             mb = max(mb, subgroupShuffleXor(mb, o));
         }
     } else if (x < RMAX * QV) {
@@ -383,11 +390,7 @@ fn clear_poison(tid: u32) {
 }
 
 fn set_flag(par: u32) {
-    if (par == 0u) {
-        flag0 = 1u;
-    } else {
-        flag1 = 1u;
-    }
+    flags[par] = 1u;
 }
 
 alias Left = subgroup_matrix_left<f16, 16, 16>;
@@ -442,11 +445,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         key_src[k] = key_row(k, max_len, pages);
     }
     if (tid == 0u) {
-        q_bad[0] = 0u;
-        q_bad[1] = 0u;
-        flag0 = 0u;
-        flag1 = 0u;
-        poisoned = 0u;
+        q_bad = vec4<u32>(0u);
+        flags = vec4<u32>(0u);
     }
     workgroupBarrier();
 
@@ -547,7 +547,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         clear_poison(tid);
         if (tid == 0u) {
-            poisoned = 0u;
+            flags.z = 0u;  // (poisoned)
         }
         // the subgroup's row block of split queries, held in registers for every K tile
         var qh0: Left;
@@ -668,12 +668,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 set_flag(par);
             }
             workgroupBarrier();  // (the tile is stored; its flag read as in FLAG READS)
-            var bad = flag1;
-            if (par == 0u) {
-                bad = flag0;
-            }
+            let bad = flags[par];
             if (tid == 0u) {  // the other flag was last read a tile ago, past a barrier
-                if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
+                flags[1u - par] = 0u;
             }
             // the next K tile's loads (after the last one: the first V tile's) fly during this one
             let kn = k0 + TK;
@@ -1006,12 +1003,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 set_flag(par);
             }
             workgroupBarrier();  // (the tile is stored; its flag read as in FLAG READS)
-            var bad = flag1;
-            if (par == 0u) {
-                bad = flag0;
-            }
+            let bad = flags[par];
             if (tid == 0u) {
-                if (par == 0u) { flag1 = 0u; } else { flag0 = 0u; }
+                flags[1u - par] = 0u;
             }
             if (k0 + TK < max_len) {  // the next V tile's loads fly during this one
                 if (LD > 0u) { t0 = load_unit(tid + 0u * WG, k0 + TK, 1u); }
@@ -1048,7 +1042,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                                         // 0 * inf = NaN (a weight that underflowed)
                                         let c = select(cls, 3u, z);
                                         atomicOr(&poison[r * NPW_POISON + d / 16u], c << (2u * (d % 16u)));
-                                        poisoned = 1u;
+                                        flags.z = 1u;
                                     }
                                 }
                             }
@@ -1156,7 +1150,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + (cb + CS * 7u) * 16u) / 4u, acc7, SW);
         }
         workgroupBarrier();
-        let any_poison = poisoned != 0u;
+        let any_poison = flags.z != 0u;
         // four components a store (o[4 c .. 4 c + 3] of row r is word r SW + c): a quarter of the
         // loop's work of one component a store, in a kernel whose instructions set its pace
         for (var j = 0u; j < (RMAX * QV + WG - 1u) / WG; j++) {

@@ -66,9 +66,9 @@ def sgmat_workgroup_bytes(D: int, RMAX: int, BK: int) -> int:
     def a(n: int) -> int:
         return (n + 15) // 16 * 16
 
-    # the word array, key_src, row_q, row_qmax, poison, and four u32: q_bad, flag0, flag1,
-    # poisoned (a row's m, l, scaling and edge length live in its last word of the array)
-    return 16 * WCAP + a(4 * BK) + 2 * a(4 * RMAX) + a(4 * RMAX * (D // 16)) + 4 * 16
+    # the word array, key_src, row_q, row_qmax, poison, and two vec4<u32> of flags (a row's m, l,
+    # scaling and edge length live in its last word of the array)
+    return 16 * WCAP + a(4 * BK) + 2 * a(4 * RMAX) + a(4 * RMAX * (D // 16)) + 2 * 16
 
 
 def sgmat_words(D: int, R: int, TK: int, BK: int) -> int:
