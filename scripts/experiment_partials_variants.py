@@ -61,6 +61,9 @@ Versions (``NAME``):
             that all of a chunk's loads can be issued together: same bits
   merge256  the combine in workgroups of 256 invocations instead of 64 (the host's grid for 64:
             three in four workgroups return at once): same bits
+  merge16   the combine in chunks of 16 elements instead of 8 (a prefill row's 16 partials in one
+            chunk: one round of loads, no rescaling; the plain two-pass formula's bits, which
+            differ from the chunked sum's in the last bits): not yet timed
   merge4    the combine reads and writes each invocation's four components as one vec4 (four
             consecutive components instead of four D / 4 apart), same bits
 """
@@ -272,6 +275,18 @@ def merge256(s: str) -> str:
     return _rep(s, "    let x = (wid.y * params.grid_x + wid.x) * WG + lid;", "    let x = (wid.y * params.grid_x + wid.x) * 256u + lid;")
 
 
+def merge16(s: str) -> str:
+    s = _rep(s, "let c_n = select(0u, (end - start + 7u) / 8u, end > start);",
+             "let c_n = select(0u, (end - start + 15u) / 16u, end > start);")
+    s = _rep(s, "        let c = start + c_i * 8u;\n", "        let c = start + c_i * 16u;\n")
+    s = _rep(s, "        let e7 = elem(eo, c + 7u, end, gs, sub, d0);\n",
+             "".join(f"        let e{n} = elem(eo, c + {n}u, end, gs, sub, d0);\n" for n in range(7, 16)))
+    s = _rep(s, "        take_max(e7.ml, &cm, &cs);\n",
+             "".join(f"        take_max(e{n}.ml, &cm, &cs);\n" for n in range(7, 16)))
+    return _rep(s, "            add_term(e7.ml, e7.o, m_new, &l, &o);\n",
+                "".join(f"            add_term(e{n}.ml, e{n}.o, m_new, &l, &o);\n" for n in range(7, 16)))
+
+
 VERSIONS = {  # name: (kernel file, edit, label)
     "kdirect": (PARTIALS, kdirect, "K from the cache"),
     "chain2": (PARTIALS, chain2, "two chains (timing)"),
@@ -292,6 +307,7 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "mergepf": (MERGE, mergepf, "combine chunks prefetched"),
     "mergebr": (MERGE, mergebr, "combine loads without branches"),
     "merge256": (MERGE, merge256, "combine in workgroups of 256"),
+    "merge16": (MERGE, merge16, "combine in chunks of 16"),
     "nofbar": (PARTIALS, nofbar, "no barrier after a tile's stores (timing)"),
 }
 
