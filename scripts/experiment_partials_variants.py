@@ -47,6 +47,11 @@ Versions (``NAME``):
             yet timed
   noqsplit  the queries neither scaled nor split, their maxima not folded (what a split made
             once per layer, before the items, could save at most): timing only; not yet timed
+  qk0       the first K tile stored with the split queries, before the same barrier (one barrier
+            an item fewer), its scores held in registers until the tile's closing barrier (they
+            go over the queries' words, which every subgroup must have loaded first): same bits
+            where a subgroup has at most one score tile per K tile (NST = 1, the bench's prefill
+            geometry); not yet timed
   mergeseq  the combine reads each element's partial rows in the order they lie in the buffer
             (element i of the list: rows i G .. i G + G - 1), every row once, as a layout of
             the partial rows by (query, KV head) would give: timing only, the bound of such a layout
@@ -229,6 +234,46 @@ def noqsplit(s: str) -> str:
     return s[:a] + "    hi = vec4<f16>(v);\n    lo = hi;\n    let e = 0;\n" + s[b:]
 
 
+def qk0(s: str) -> str:
+    stores = "".join(f"            if (LD > {n}u) {{ tb0 = tb0 | store_unit(tid + {n}u * WG, t{n}, 0u); }}\n" for n in range(8))
+    split_bar = "        workgroupBarrier();  // (the split rows and the item's flag; a plain read, see FLAG READS)\n"
+    s = _rep(s, split_bar, "        if (max_len > 0u) {  // tile 0's K units, under the split's barrier\n"
+             "            var tb0 = false;\n" + stores + "            if (tb0) {\n                set_flag(0u);\n"
+             "            }\n        }\n" + split_bar)
+    a = s.index("        // 1. Scores of the block")
+    head = "            var tb = false;\n            if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 0u); }\n"
+    b = s.index(head, a)
+    e = s.index("            let bad = flags[par];\n", b)
+    block = s[b:e]
+    ind = "".join("    " + x if x.strip() else x for x in block.splitlines(keepends=True))
+    s = s[:b] + "            if (it > 0u) {  // (tile 0 was stored with the queries)\n" + ind + "            }\n" + s[e:]
+    s = _rep(s, "        var fma_tiles = 0u;\n", "        var fma_tiles = 0u;\n        var dacc = Result();  // tile 0's score tile, stored late\n"
+             "        var dhas = false;\n        var dkt = 0u;\n        var fs: array<f32, 8>;  // tile 0's FMA scores, stored late\n")
+    s = _rep(s, "                    subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + k0 + kt * 16u) / 4u, acc, SW);\n",
+             "                    if (it == 0u) {\n                        dacc = acc;\n                        dhas = true;\n"
+             "                        dkt = kt;\n                    } else {\n"
+             "                        subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + k0 + kt * 16u) / 4u, acc, SW);\n"
+             "                    }\n")
+    s = _rep(s, "                    s_set(r, k0 + k, s);\n", "                    if (it == 0u) {\n                        fs[j] = s;\n"
+             "                    } else {\n                        s_set(r, k0 + k, s);\n                    }\n")
+    end = ("            workgroupBarrier();  // (the tile is overwritten next; the scores are read by the softmax)\n"
+           "            par = 1u - par;\n")
+    late = ("            if (it == 0u) {  // tile 0's scores, now that every subgroup has loaded its queries\n"
+            "                if ((fma_tiles & 1u) != 0u) {\n"
+            "                    for (var j = 0u; j < (RMAX * TK + WG - 1u) / WG; j++) {\n"
+            "                        let x = tid + j * WG;\n"
+            "                        if (x >= RMAX * TK) {\n                            break;\n                        }\n"
+            "                        let r = x / TK;\n"
+            "                        s_set(r, x - r * TK, fs[j]);\n"
+            "                    }\n"
+            "                } else if (dhas) {\n"
+            "                    subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + dkt * 16u) / 4u, dacc, SW);\n"
+            "                }\n"
+            "                if (nkt == 1u) {\n                    workgroupBarrier();  // (the softmax reads them next)\n                }\n"
+            "            }\n")
+    return _rep(s, end, end + late)
+
+
 def mergeseq(s: str) -> str:
     return _rep(s, "        let e = plan[eo + i] * gs + sub;", "        let e = (i + eo * 0u) * gs + sub;")
 
@@ -302,6 +347,7 @@ VERSIONS = {  # name: (kernel file, edit, label)
     "noexp": (PARTIALS, noexp, "no exp (timing)"),
     "spfast": (PARTIALS, spfast, "softmax fast loop"),
     "noqsplit": (PARTIALS, noqsplit, "queries not split (timing)"),
+    "qk0": (PARTIALS, qk0, "tile 0 stored with the queries"),
     "mergeseq": (MERGE, mergeseq, "combine in buffer order (timing)"),
     "merge4": (MERGE, merge4, "combine vec4"),
     "mergepf": (MERGE, mergepf, "combine chunks prefetched"),
