@@ -97,6 +97,26 @@ def _rep(s: str, old: str, new: str) -> str:
     return s.replace(old, new)
 
 
+def _span(s: str, start: str, end: str) -> tuple[int, int]:
+    """Where the text from ``start`` (once in s) up to the next ``end`` lies; stops if either is missing."""
+    a = s.find(start)
+    b = s.find(end, a + len(start)) if a >= 0 and s.count(start) == 1 else -1
+    if b < 0:
+        raise SystemExit(f"edit does not apply: {start[:50]!r} .. {end[:50]!r}")
+    return a, b
+
+
+def _splice(s: str, start: str, end: str, new: str) -> str:
+    """``s`` with the text from ``start`` up to (not including) the next ``end`` replaced by ``new``."""
+    a, b = _span(s, start, end)
+    return s[:a] + new + s[b:]
+
+
+def _indent(text: str) -> str:
+    """``text`` one level (four spaces) deeper, blank lines as they are."""
+    return "".join("    " + x if x.strip() else x for x in text.splitlines(keepends=True))
+
+
 def kdirect(s: str) -> str:
     lines = s.split("\n")
     a = next(i for i, x in enumerate(lines) if x == I + "var par = 0u;")
@@ -201,9 +221,8 @@ def nowrite(s: str) -> str:
 
 
 def nosoftmax(s: str) -> str:
-    a = s.index("        let sr = tid / SL;\n")
-    b = s.index("        // 3. o += P V, a V tile at a time")
-    return s[:a] + "        workgroupBarrier();\n\n" + s[b:]
+    return _splice(s, "        let sr = tid / SL;\n", "        // 3. o += P V, a V tile at a time",
+                   "        workgroupBarrier();\n\n")
 
 
 def nocheck(s: str) -> str:
@@ -217,21 +236,18 @@ def noexp(s: str) -> str:
 
 def spfast(s: str) -> str:
     head = "        for (var jw = 0u; jw < NKL / 2u; jw++) {  // a word of weights: 8 positions\n"
-    a = s.index(head)
-    b = s.index("        // the codes' bits at k % 32 for position k = kb0 + bit")
+    a, b = _span(s, head, "        // the codes' bits at k % 32 for position k = kb0 + bit")
     loop = s[a:b]
     fast = _rep(loop, "let pm = select(p, 0.0, is_nan(p));", "let pm = p;  // (no NaN: the lane's scores and m are finite)")
-    ind = lambda t: "".join("    " + x if x.strip() else x for x in t.splitlines(keepends=True))
     cond = ("        let fast = !m_nan && bitcast<u32>(mx) != INF_BITS\n"
             "                   && (bitcast<u32>(m_new) & 0x7f800000u) != 0x7f800000u;\n")
-    return s[:a] + cond + "        if (fast) {\n" + ind(fast) + "        } else {\n" + ind(loop) + "        }\n" + s[b:]
+    return s[:a] + cond + "        if (fast) {\n" + _indent(fast) + "        } else {\n" + _indent(loop) + "        }\n" + s[b:]
 
 
 def noqsplit(s: str) -> str:
     s = _rep(s, "            mb = max(mb, subgroupShuffleXor(mb, o));\n", "")
-    a = s.index("    var mb = mb_x;")
-    b = s.index("    if (c == 0u) {\n        wmem[row_word(r)].z = bitcast<u32>(pow2(-e));")
-    return s[:a] + "    hi = vec4<f16>(v);\n    lo = hi;\n    let e = 0;\n" + s[b:]
+    return _splice(s, "    var mb = mb_x;", "    if (c == 0u) {\n        wmem[row_word(r)].z = bitcast<u32>(pow2(-e));",
+                   "    hi = vec4<f16>(v);\n    lo = hi;\n    let e = 0;\n")
 
 
 def qk0(s: str) -> str:
@@ -240,13 +256,10 @@ def qk0(s: str) -> str:
     s = _rep(s, split_bar, "        if (max_len > 0u) {  // tile 0's K units, under the split's barrier\n"
              "            var tb0 = false;\n" + stores + "            if (tb0) {\n                set_flag(0u);\n"
              "            }\n        }\n" + split_bar)
-    a = s.index("        // 1. Scores of the block")
+    # the K loop's store of its tile (the V loop's stores carry 1u, not 0u)
     head = "            var tb = false;\n            if (LD > 0u) { tb = tb | store_unit(tid + 0u * WG, t0, 0u); }\n"
-    b = s.index(head, a)
-    e = s.index("            let bad = flags[par];\n", b)
-    block = s[b:e]
-    ind = "".join("    " + x if x.strip() else x for x in block.splitlines(keepends=True))
-    s = s[:b] + "            if (it > 0u) {  // (tile 0 was stored with the queries)\n" + ind + "            }\n" + s[e:]
+    b, e = _span(s, head, "            let bad = flags[par];\n")
+    s = s[:b] + "            if (it > 0u) {  // (tile 0 was stored with the queries)\n" + _indent(s[b:e]) + "            }\n" + s[e:]
     s = _rep(s, "        var fma_tiles = 0u;\n", "        var fma_tiles = 0u;\n        var dacc = Result();  // tile 0's score tile, stored late\n"
              "        var dhas = false;\n        var dkt = 0u;\n        var fs: array<f32, 8>;  // tile 0's FMA scores, stored late\n")
     s = _rep(s, "                    subgroupMatrixStore<row_major>(&wmem, (rb * 16u * SBF + k0 + kt * 16u) / 4u, acc, SW);\n",
@@ -281,12 +294,10 @@ def mergeseq(s: str) -> str:
 def merge4(s: str) -> str:
     s = _rep(s, "var<storage, read> src_o: array<f32>;", "var<storage, read> src_o: array<vec4<f32>>;")
     s = _rep(s, "var<storage, read_write> dst_o: array<f32>;", "var<storage, read_write> dst_o: array<vec4<f32>>;")
-    a = s.index("        let b = e * D + d0;\n        o.x = src_o[b];")
-    b = s.index("        return Elem(src_ml[e], o);")
-    s = s[:a] + "        o = src_o[(e * D) / 4u + d0];\n" + s[b:]
-    a = s.index("    let b = dest * D + d0;\n    dst_o[b] = o.x;")
-    b = s.index("    if (d0 == 0u) {\n        dst_ml")
-    return s[:a] + "    dst_o[(dest * D) / 4u + d0] = o;\n" + s[b:]
+    s = _splice(s, "        let b = e * D + d0;\n        o.x = src_o[b];", "        return Elem(src_ml[e], o);",
+                "        o = src_o[(e * D) / 4u + d0];\n")
+    return _splice(s, "    let b = dest * D + d0;\n    dst_o[b] = o.x;", "    if (d0 == 0u) {\n        dst_ml",
+                   "    dst_o[(dest * D) / 4u + d0] = o;\n")
 
 
 def mergepf(s: str) -> str:
