@@ -43,8 +43,10 @@ def _skipped(rt, pipe, name: str) -> bool:
     inversion = any(pipe is p[0] for p in (*rt.p_inv.values(), *rt.p_scan.values()))
     if name == "inversion once":
         return inversion and getattr(rt, "_gaps_inverted", False)
-    if name in ("no combine", "inversion only"):
+    if name == "no combine":
         return pipe is rt.p_merge[0]
+    if name == "inversion only":  # (the partials as well: a direct dispatch where they loop over items)
+        return pipe is rt.p_merge[0] or pipe is rt.p_part[0]
     if name == "partials only":
         return inversion or pipe is rt.p_merge[0]
     return name == "no dispatch"

@@ -2,27 +2,36 @@
 // kernels built from it, for a device-resident selection (no host round trip).
 //
 // Flags. Entry (t, h, rank) of `selected` with a kept block s (R13: a real block with
-// s * BS < hi_t) sets flag f(t, h, s) = h Tq msb + cu_b msb + s T_b + (t - cu_b) to rank + 1,
-// where b is t's sequence, cu_b its first query and T_b its query count. f is a bijection onto
-// [0, Hkv Tq msb) whose order is (KV head, sequence, block, query): the R13 edge order. So the
-// exclusive prefix sum of the flags (psa_scan.wgsl) at f is the edge id of the entry, and the
-// prefix of the per-row counts that follow the flags gives row_ptr: the same numbers as the host
-// index, by construction, whatever order the invocations run in (R19).
+// s * BS < hi_t, the first of its row's slots holding s) sets flag bit f(t, h, s) =
+// h Tq msb + cu_b msb + s T_b + (t - cu_b), bit f % 32 of word f / 32, where b is t's sequence,
+// cu_b its first query and T_b its query count. f is a bijection onto [0, Hkv Tq msb) whose order
+// is (KV head, sequence, block, query): the R13 edge order. So the set bits before f (the
+// exclusive prefix sum of the words' bit counts, psa_scan.wgsl, and the bits below f in its own
+// word) number the entry's edge; a 1 per kept slot (t, h, rank), in slot order after the words,
+// gives each kept slot its place in the combine's list of its row and row_ptr; the edge counts
+// of each slot group (h, b, s) follow, which the scan counts as the work items of EPI edges they
+// make, so that their prefix numbers the items. A group's count is kept in `gsub` words, query t
+// adding to word t % gsub (the scan adds them up): in one word the adds of a group's queries
+// (~256 of them in the bench's prefill) wait on each other; `mark` took 34-35 us on an H200
+// that way, 21 us with 8 words, 14-17 us counting nothing. The same numbers as the host index, by
+// construction, whatever order the invocations run in (R19: the bits and counts are set by
+// atomicOr and atomicAdd, whose results do not depend on their order).
 //
-// Entry points, one dispatch each, in this order (a prefix sum between `mark` and `scatter`, and
-// for the generic kernel between `item_flags` and `items`):
-//   mark        one invocation per row (t, h): checks the row (R6: ids in [-1, msb), unique),
-//               sets its flags and its kept count. A violation sets an error bit and the
-//               offending entry is skipped, so nothing downstream reads outside a buffer.
-//   scatter     one invocation per row: the row's edges in rank order -> edge fields (edges),
-//               row_ptr and row_edges (merge), edge records (plan); with DECODE = 1 also the
-//               work items (one per edge and head range) and page lists of psa_partials_decode.
-//   item_flags  (DECODE = 0) one invocation per edge: 1 where the edge starts a work item (every
-//               EPI-th edge of its slot group), into work[w2_off + e].
-//   items       (DECODE = 0) one invocation per edge that starts an item: the work item records
-//               and page list of psa_partials.wgsl.
-//   finalize    one invocation: the indirect dispatch size and the params record of the
-//               partials kernel (copied into its uniform buffer by the host's command encoder).
+// Entry points, one dispatch each, in this order, with a prefix sum (psa_scan.wgsl: tiles, then
+// totals) between `mark` and `scatter`:
+//   mark        one invocation per slot (t, h, rank): checks it (R6: an id in [-1, msb), not
+//               repeated in its row) and sets its flag bit, its kept mark and (generic and
+//               tensor-core kernels) its slot group's count. A violation sets an error bit and
+//               the offending entry is skipped, so nothing downstream reads outside a buffer.
+//   scatter     one invocation per slot: a kept entry's edge fields (edges), its place in the
+//               row's list (merge, with row_ptr), its edge record (plan); with DECODE = 1 its
+//               work items (one per edge and head range) and page list for psa_partials_decode,
+//               else, where the edge is the last of its work item (every EPI-th edge of its slot
+//               group, and the group's last), that item's records and page list. The edge
+//               fields are written only with EDGES (the index read back, R33; the attention
+//               kernels read the rest). Invocation 0 also writes the partials kernel's indirect
+//               dispatch size and params record (copied into its uniform buffer by the host's
+//               command encoder).
 //   direct      (DECODE = 1, attention only) one invocation per (row, slot), instead of the above:
 //               when no sequence has two queries every slot group is one edge, so the partials
 //               need no edge order: row r's kept entries, in rank order, take edge ids r K + n
@@ -31,13 +40,19 @@
 //               partial group `emax` (l = 0, never written). The combine (row_ptr = r K, fixed)
 //               then merges exactly the row's edges in rank order, with empties only at its end,
 //               which it skips: the same bits as with the inverted index.
+// (Measured on an H200 with the bench's prefill, 16384 rows of 16 slots, each command timed on
+// its own: with one invocation per row, a flag word per flag (16 MiB to clear and scan), the
+// selection copied in and the items numbered by a second scan, the inversion's nine dispatches
+// with its clears and copy took 0.20 ms of a layer; these four dispatches and their clears 0.08.
+// Benchmarks, 2026-12-04.)
 //
 // Bindings (group 0)
 //   0 params  uniform              InvParams (below)
 //   1 sel     storage, read        i32 [Tq, Hkv, K]  the selection (-1 = empty slot)
 //   2 lay     storage, read        i32: per query (b, hi) at 0, per sequence (cu_b, T_b) at
 //                                  seq_off, block_tables [B, max_pages] at bt_off
-//   3 work    storage, read_write  u32: flags [n_flags] | row counts [Tq Hkv] | item flags at w2_off
+//   3 work    storage, read_write  atomic<u32>: flag words [nfw] | kept marks [emax] (slot
+//                                  (r, j) at r K + j) | slot group counts [Hkv B msb, gsub]
 //                                  (zeroed by the host before `mark`)
 //   4 scan    storage, read        u32: prefixes and tile sums of psa_scan.wgsl (offsets below)
 //   5 edges   storage, read_write  u32 [6, emax]  edge_query, edge_head, edge_seq, edge_block,
@@ -54,10 +69,12 @@
 //
 // Override constants
 //   WG      workgroup size        DECODE  1: items for psa_partials_decode (one edge each)
+//   EDGES   1: scatter writes the edge fields (the index read back), 0: not (attention)
 //   TILE    elements per scan tile (psa_scan.wgsl: 4 x its WG)
 
 override WG: u32 = 64u;
 override DECODE: u32 = 1u;
+override EDGES: u32 = 1u;
 override TILE: u32 = 1024u;
 const INVALID: u32 = 0xffffffffu;
 
@@ -69,7 +86,7 @@ struct InvParams {
     bs: u32,          // block size
     ppb: u32,         // pages per block
     max_pages: u32,   // row stride of block_tables
-    n_flags: u32,     // Hkv Tq msb
+    n_flags: u32,     // Hkv Tq msb flag bits
     g: u32,           // query heads per KV head
     nh: u32,          // head ranges per edge item
     hpi: u32,         // heads per item (the last range may hold fewer)
@@ -83,10 +100,10 @@ struct InvParams {
     s1_dst: u32,      // prefixes of flags and row counts in scan
     s1_tiles: u32,    // their tile sums in scan
     s1_ntiles: u32,
-    w2_off: u32,      // item flags in work
-    s2_dst: u32,      // prefixes of the item flags in scan
-    s2_tiles: u32,
-    s2_ntiles: u32,
+    nfw: u32,         // words of flag bits: ceil(n_flags / 32); the kept marks follow them in work
+    nseq: u32,        // sequences (B): slot group (h, b, s) is count h B msb + b msb + s
+    gsub: u32,        // words per slot group count (>= 1; 1 with DECODE = 1, which counts none)
+    _pad5: u32,
     grid_x: u32,      // workgroups along x of this dispatch (2-D grid)
     slab4: u32,       // params record of the partials kernel: slab stride in vec4s
     scale: u32,       // ... and softmax_scale (f32 bits)
@@ -99,25 +116,28 @@ struct InvParams {
 @group(0) @binding(0) var<uniform> params: InvParams;
 @group(0) @binding(1) var<storage, read> sel: array<i32>;
 @group(0) @binding(2) var<storage, read> lay: array<i32>;
-@group(0) @binding(3) var<storage, read_write> work: array<u32>;
+@group(0) @binding(3) var<storage, read_write> work: array<atomic<u32>>;
 @group(0) @binding(4) var<storage, read> scan: array<u32>;
 @group(0) @binding(5) var<storage, read_write> edges: array<u32>;
 @group(0) @binding(6) var<storage, read_write> merge: array<u32>;
 @group(0) @binding(7) var<storage, read_write> plan: array<u32>;
 @group(0) @binding(8) var<storage, read_write> args: array<atomic<u32>>;
 
-// exclusive prefix of element i of the first scan (flags, then row counts)
+// exclusive prefix of element i of the scan (flag words' bits, then kept marks, then the slot
+// groups' items)
 fn prefix1(i: u32) -> u32 {
     return scan[params.s1_dst + i] + scan[params.s1_tiles + i / TILE];
 }
 
-// exclusive prefix of item flag e (second scan)
-fn prefix2(e: u32) -> u32 {
-    return scan[params.s2_dst + e] + scan[params.s2_tiles + e / TILE];
+// the edge id of flag bit f: the set bits before it (f may be n_flags: then the edge count)
+fn edge_id(f: u32) -> u32 {
+    let w = f >> 5u;
+    let below = (1u << (f & 31u)) - 1u;  // (f % 32 = 0: none of word w, which may be a row count)
+    return prefix1(w) + countOneBits(atomicLoad(&work[w]) & below);
 }
 
 fn num_edges() -> u32 {
-    return prefix1(params.n_flags);  // flags come first: the prefix after them is their total
+    return prefix1(params.nfw);  // the flag words come first: the prefix after them is their bits
 }
 
 struct Query {
@@ -156,94 +176,120 @@ fn report(bit: u32, row: u32) {
     atomicMax(&args[13], INVALID - row);
 }
 
+// whether slot j of the row at `base` repeats the id `s` of an earlier slot (R6: the first stands)
+fn repeated(base: u32, j: u32, s: i32) -> bool {
+    var dup = false;
+    for (var j2 = 0u; j2 < j; j2++) {
+        if (sel[base + j2] == s) {
+            dup = true;
+        }
+    }
+    return dup;
+}
+
+// slot group (h, b, s): its index (its element of the scan is nfw + emax + it; its count's
+// words in work start at nfw + emax + it gsub)
+fn group_index(h: u32, b: u32, s: u32) -> u32 {
+    return (h * params.nseq + b) * params.msb + s;
+}
+
 @compute @workgroup_size(WG)
 fn mark(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = linear_id(wid, lid);
+    let x = linear_id(wid, lid);  // one invocation per (row, slot)
+    let r = x / params.k;
     if (r >= params.tq * params.hkv) {
         return;
+    }
+    let j = x - r * params.k;
+    let base = r * params.k;
+    let s = sel[base + j];
+    if (s == -1) {
+        return;
+    }
+    if (s < -1 || s >= i32(params.msb)) {
+        report(1u, r);
+        return;
+    }
+    if (repeated(base, j, s)) {
+        report(2u, r);
+        return;  // the first occurrence stands; the row is reported
     }
     let t = r / params.hkv;
     let h = r - t * params.hkv;
     let qi = query(t);
-    let nvis = n_visible(qi.hi);
-    let base = r * params.k;
-    var cnt = 0u;
-    let j_end = params.k;
-    for (var j = 0u; j < j_end; j++) {
-        let s = sel[base + j];
-        if (s == -1) {
-            continue;
-        }
-        if (s < -1 || s >= i32(params.msb)) {
-            report(1u, r);
-            continue;
-        }
-        var dup = false;
-        let j2_end = j;
-        for (var j2 = 0u; j2 < j2_end; j2++) {
-            if (sel[base + j2] == s) {
-                dup = true;
-            }
-        }
-        if (dup) {
-            report(2u, r);
-            continue;  // the first occurrence stands; the row is reported
-        }
-        if (u32(s) < nvis) {
-            work[flag_index(t, h, u32(s), qi)] = j + 1u;
-            cnt += 1u;
+    if (u32(s) < n_visible(qi.hi)) {
+        let f = flag_index(t, h, u32(s), qi);
+        atomicOr(&work[f >> 5u], 1u << (f & 31u));
+        atomicStore(&work[params.nfw + x], 1u);
+        if (DECODE == 0u) {
+            atomicAdd(&work[params.nfw + params.emax + group_index(h, qi.b, u32(s)) * params.gsub + t % params.gsub], 1u);
         }
     }
-    work[params.n_flags + r] = cnt;
 }
 
 @compute @workgroup_size(WG)
 fn scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let r = linear_id(wid, lid);
+    let x = linear_id(wid, lid);  // one invocation per (row, slot)
+    if (x == 0u) {
+        write_args();
+    }
     let n_rows = params.tq * params.hkv;
+    let r = x / params.k;
     if (r >= n_rows) {
         return;
     }
+    let j = x - r * params.k;
     let E = num_edges();
-    let rp = prefix1(params.n_flags + r) - E;
-    merge[r] = rp;
-    if (r == n_rows - 1u) {
-        merge[n_rows] = prefix1(params.n_flags + r) + work[params.n_flags + r] - E;
+    if (j == 0u) {
+        merge[r] = prefix1(params.nfw + x) - E;  // row_ptr: the kept slots of the rows before
+        if (r == n_rows - 1u) {
+            merge[n_rows] = prefix1(params.nfw + n_rows * params.k) - E;
+        }
     }
     let t = r / params.hkv;
     let h = r - t * params.hkv;
     let qi = query(t);
     let nvis = n_visible(qi.hi);
     let base = r * params.k;
-    let em = params.emax;
-    var n = 0u;
-    let j_end = params.k;
-    for (var j = 0u; j < j_end; j++) {
-        let s = sel[base + j];
-        if (s < 0 || s >= i32(params.msb) || u32(s) >= nvis) {
-            continue;
-        }
-        let f = flag_index(t, h, u32(s), qi);
-        if (work[f] != j + 1u) {
-            continue;  // a repeated id (reported by mark): the first occurrence holds the flag
-        }
-        let e = prefix1(f);
-        let len = min(params.bs, u32(qi.hi) - u32(s) * params.bs);
+    let s = sel[base + j];
+    if (s < 0 || s >= i32(params.msb) || u32(s) >= nvis || repeated(base, j, s)) {
+        return;
+    }
+    let f = flag_index(t, h, u32(s), qi);
+    let e = edge_id(f);
+    let len = min(params.bs, u32(qi.hi) - u32(s) * params.bs);
+    if (EDGES == 1u) {
+        let em = params.emax;
         edges[e] = t;
         edges[em + e] = h;
         edges[2u * em + e] = qi.b;
         edges[3u * em + e] = u32(s);
         edges[4u * em + e] = j;
         edges[5u * em + e] = len;
-        merge[n_rows + 1u + rp + n] = e;
-        n += 1u;
-        plan[params.erec_base + 2u * e] = r;        // the q row of the edge: t Hkv + h
-        plan[params.erec_base + 2u * e + 1u] = len;
-        if (DECODE == 1u) {
-            let pages = params.page_base + e * params.ppb;
-            write_pages(pages, qi.b, u32(s), h);
-            write_items(e, 1u, len, e, pages);
-        }
+    }
+    // its place in the row's list (rank order): the kept slots before it, of every row
+    merge[n_rows + 1u + prefix1(params.nfw + x) - E] = e;
+    plan[params.erec_base + 2u * e] = r;        // the q row of the edge: t Hkv + h
+    plan[params.erec_base + 2u * e + 1u] = len;
+    if (DECODE == 1u) {
+        let pages = params.page_base + e * params.ppb;
+        write_pages(pages, qi.b, u32(s), h);
+        write_items(e, 1u, len, e, pages);
+        return;
+    }
+    // the slot group's edges (its queries in order) make work items of EPI edges; the last edge
+    // of an item writes it. Its max_len is this edge's len: hi_t does not decrease with t within
+    // a sequence (R9: L_b, or min(L_b, L_b - T_b + i + 1)), and the item's other edges have
+    // smaller t in the same block.
+    let f0 = h * params.tq * params.msb + qi.cu * params.msb + u32(s) * qi.tb;
+    let k = e - edge_id(f0);
+    let pos = k % params.epi;
+    if (pos + 1u == params.epi || e + 1u == edge_id(f0 + qi.tb)) {
+        let gsec = params.nfw + params.emax;
+        let item = prefix1(gsec + group_index(h, qi.b, u32(s))) - prefix1(gsec) + k / params.epi;
+        let pages = params.page_base + item * params.ppb;
+        write_pages(pages, qi.b, u32(s), h);
+        write_items(item, pos + 1u, len, e - pos, pages);
     }
 }
 
@@ -276,50 +322,6 @@ fn write_items(item: u32, n_e: u32, max_len: u32, e0: u32, pages: u32) {
         plan[ib + 6u] = e0 * params.g + g0;
         plan[ib + 7u] = 0u;
     }
-}
-
-// (first edge, end) of the slot group of edge e
-fn slot_bounds(e: u32) -> vec2<u32> {
-    let em = params.emax;
-    let t = edges[e];
-    let h = edges[em + e];
-    let s = edges[3u * em + e];
-    let qi = query(t);
-    let f0 = h * params.tq * params.msb + qi.cu * params.msb + s * qi.tb;
-    return vec2<u32>(prefix1(f0), prefix1(f0 + qi.tb));
-}
-
-@compute @workgroup_size(WG)
-fn item_flags(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let e = linear_id(wid, lid);
-    if (e >= params.emax) {
-        return;
-    }
-    var starts = 0u;
-    if (e < num_edges()) {
-        let sb = slot_bounds(e);
-        starts = select(0u, 1u, (e - sb.x) % params.epi == 0u);
-    }
-    work[params.w2_off + e] = starts;
-}
-
-@compute @workgroup_size(WG)
-fn items(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let e = linear_id(wid, lid);
-    if (e >= params.emax || e >= num_edges() || work[params.w2_off + e] == 0u) {
-        return;
-    }
-    let sb = slot_bounds(e);
-    let n_e = min(params.epi, sb.y - e);
-    var max_len = 0u;
-    for (var i = 0u; i < n_e; i++) {
-        max_len = max(max_len, plan[params.erec_base + 2u * (e + i) + 1u]);
-    }
-    let item = prefix2(e);
-    let pages = params.page_base + item * params.ppb;
-    let em = params.emax;
-    write_pages(pages, edges[2u * em + e], edges[3u * em + e], edges[em + e]);
-    write_items(item, n_e, max_len, e, pages);
 }
 
 // whether slot j of the row at `base` is a kept edge: a valid id, visible (s < nvis). A repeated
@@ -396,11 +398,12 @@ fn direct(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index
     }
 }
 
-@compute @workgroup_size(1)
-fn finalize() {
+// the partials dispatch's size and params record, from the scan (scatter's invocation 0)
+fn write_args() {
     var n_items = num_edges() * params.nh;
     if (DECODE == 0u) {
-        n_items = scan[params.s2_tiles + params.s2_ntiles] * params.nh;
+        // the grand total of the scan less its prefix before the slot groups: their items
+        n_items = (scan[params.s1_tiles + params.s1_ntiles] - prefix1(params.nfw + params.emax)) * params.nh;
     }
     // workgroups: one per item, or at most wg_cap for a kernel whose workgroups loop over items;
     // the grid no wider than they (a dispatch of gx x rows launches every workgroup of the grid)

@@ -11,8 +11,11 @@
 // `totals` one workgroup: turns the tile sums into their exclusive prefix, in place, and writes
 //          the grand total at dst[tiles_off + n_tiles].
 // The prefix of element i is then dst[dst_off + i] + dst[tiles_off + i / TILE] (a consumer adds
-// the two; no third pass). Element i < n_flags counts as min(src[i], 1) (a flag holding a slot
-// position + 1), element i >= n_flags as src[i] (a count).
+// the two; no third pass). The elements come in three runs: element i < n_flags is a word of 32
+// flag bits and counts as its set bits; n_flags <= i < n_plain counts as src[i] (a count);
+// i >= n_plain as ceil(c / div), c the sum of its `sub` words from src[src_off + n_plain +
+// (i - n_plain) sub] (a count of edges kept in `sub` parts, as the work items of `div` edges each
+// that they make).
 //
 // Bindings (group 0)
 //   0 params  uniform              ScanParams (below)
@@ -26,13 +29,17 @@ const IPT: u32 = 4u;  // elements per invocation
 
 struct ScanParams {
     n: u32,          // elements
-    n_flags: u32,    // the first n_flags elements are flags (counted as 0 or 1)
+    n_flags: u32,    // the first n_flags elements are words of flag bits (counted by their bits)
     src_off: u32,    // first element in src
     dst_off: u32,    // first prefix in dst
     tiles_off: u32,  // tile sums in dst
     n_tiles: u32,    // ceil(n / TILE)
     grid_x: u32,     // workgroups along x of `tiles` (2-D grid: tile = y * grid_x + x)
-    _pad: u32,
+    n_plain: u32,    // elements n_flags .. n_plain count as they are, the rest as ceil(x / div)
+    div: u32,        // (>= 1)
+    sub: u32,        // words per element after n_plain (>= 1)
+    _pad1: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> params: ScanParams;
@@ -65,11 +72,20 @@ fn value(i: u32) -> u32 {
     if (i >= params.n) {
         return 0u;
     }
-    let x = src[params.src_off + i];
     if (i < params.n_flags) {
-        return min(x, 1u);
+        let x = src[params.src_off + i];
+        return countOneBits(x);
     }
-    return x;
+    if (i < params.n_plain) {
+        return src[params.src_off + i];
+    }
+    let sub = params.sub;
+    let at = params.src_off + params.n_plain + (i - params.n_plain) * sub;
+    var c = 0u;
+    for (var k = 0u; k < sub; k++) {
+        c += src[at + k];
+    }
+    return (c + params.div - 1u) / params.div;
 }
 
 @compute @workgroup_size(WG)

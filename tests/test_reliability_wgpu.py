@@ -497,3 +497,16 @@ def test_R17_uploads_and_page_updates_refuse_bad_input_before_device_work(be, ba
     finally:
         kd.release()
         vd.release()
+
+
+def test_R18_a_plan_whose_partials_pass_a_binding_by_their_empty_group_is_refused(WgpuBackend):
+    """A device plan keeps one partial group more than it has edges (the empty group the decode
+    combine points unused slots at): 2 edges of 64 floats take 512 bytes, the buffer 768. With
+    bindings of 512 bytes the plan is refused up front, naming the bytes (R18), not left to the
+    device's validation of a bind group."""
+    small = WgpuBackend(required_limits="default", max_binding_size=512)
+    with pytest.raises(UnsupportedError, match=r"its partials take 768 bytes, more than one storage binding \(512"):
+        psa.plan_attention(np.array([[0, 1]], np.int32), np.array([0, 1], np.int32), np.array([8], np.int32),
+                           block_size=4, page_size=4, num_q_heads=1, num_kv_heads=1, head_dim=64,
+                           kv_dtype="float32", topk=2, backend=small)
+    small.close()

@@ -324,3 +324,52 @@ def test_R32_a_plan_records_the_same_bits_through_c_and_through_wgpu_py(WgpuBack
         be.close()
     assert all(a.tobytes() == b.tobytes() for a, b in zip(*results))
 
+
+
+def test_R13_device_inversion_of_uneven_sequences_binds_the_selection_and_numbers_items(WgpuBackend, monkeypatch):
+    """The device inversion (``psa_invert.wgsl``: a flag bit per (head, query, block), the items
+    of a slot group numbered from its edge count) on sequences whose query counts are no multiple
+    of 32, so that slot groups start and end inside flag words, with empty slots and blocks a
+    query cannot see: the index equals the host's (R13, R33), before and after attention layers,
+    every layer the plain call's bits, and a device selection is bound where it is (no copy)."""
+    be = WgpuBackend()
+    rng = np.random.default_rng(7)
+    T, lens, Hkv, G, D, S, BS, pages, topk = [37, 5, 60], [50, 9, 64], 2, 2, 8, 4, 8, 16, 3
+    B, msb = len(T), pages * S // BS
+    cu = np.concatenate([[0], np.cumsum(T)]).astype(np.int32)
+    bt = rng.permutation(B * pages).reshape(B, pages).astype(np.int32)
+    k = rng.standard_normal((B * pages, Hkv, S, D), dtype=np.float32)
+    v = rng.standard_normal((B * pages, Hkv, S, D), dtype=np.float32)
+    sels = []
+    for _ in range(3):
+        sel = np.stack([rng.permutation(msb)[:topk] for _ in range(cu[-1] * Hkv)]).reshape(cu[-1], Hkv, topk)
+        sel[rng.random(sel.shape) < 0.2] = -1
+        sels.append(sel.astype(np.int32))
+    c = {"bt": bt, "cu": cu, "lens": np.array(lens, np.int32), "BS": BS, "S": S, "Hkv": Hkv, "G": G, "D": D,
+         "topk": topk}
+    plan = _plan(be, c)
+    assert not plan._runtime.decode and plan._runtime.geometry["epi"] > 1  # items of several edges
+    kd, vd = be.upload_kv_cache(k, v)
+    kw = {"used_kv_lens": c["lens"], "block_size": BS, "causal": True}
+
+    def index_equal(sel):
+        got, want = plan.kvouter_index(sel), psa.build_kvouter_index(sel, bt, cu, page_size=S, **kw)
+        for f in ("edge_query", "edge_head", "edge_seq", "edge_block", "edge_rank", "edge_len", "slot_ptr",
+                  "row_ptr", "row_edges"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f), err_msg=f)
+
+    index_equal(sels[0])
+    enc_class = type(plan._runtime.ctx.device.create_command_encoder())
+    copied = []
+    real = enc_class.copy_buffer_to_buffer
+    monkeypatch.setattr(enc_class, "copy_buffer_to_buffer", lambda self, *a, **kw: (copied.append(a[0]),
+                                                                                     real(self, *a, **kw))[1])
+    for sel in sels:
+        q = rng.standard_normal((cu[-1], Hkv * G, D), dtype=np.float32)
+        sd = be.asarray(sel)
+        got = plan.run(be.asarray(q), kd, vd, sd).numpy()
+        assert sd.buffer() not in copied, "the device selection was copied"
+        np.testing.assert_array_equal(got, psa.forward(q, k, v, bt, sel, cu, backend=be, **kw))
+        index_equal(sel)
+    plan.close()
+    be.close()

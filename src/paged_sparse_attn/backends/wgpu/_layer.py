@@ -4,17 +4,20 @@ several layers per encoder and submission on device arrays (R36, ``_batch.py``).
 Made once per batch layout (``make_runtime``): every buffer, bind group and
 pipeline a layer needs. A layer then encodes
 
-1. the layer's ``q`` and ``selected`` copied into the plan's buffers (a device-to-device copy for
-   device arrays, one ``write_buffer`` for host arrays); a float16 ``q`` (host or device) is
+1. the layer's ``q`` and ``selected``: device arrays bound where they are (bind groups kept per
+   buffer; a copy into the plan's buffer for one at an offset), host arrays written into the
+   plan's buffers (one ``write_buffer`` each); a float16 ``q`` (host or device) is
    written or bound as it is and widened into the plan's float32 ``q`` by ``psa_widen.wgsl``, the
    first dispatch of the layer's first pass (R7: the same float32 values, half the bytes, no
    widening on the host);
-2. pass A, the KV-outer inversion (R13) on the device: ``psa_invert.wgsl`` ``mark`` (R6 checks,
-   flags), ``psa_scan.wgsl`` (edge and row numbers), ``scatter`` (edges, the combine's row lists,
-   the partials kernel's work items and page lists), ``finalize`` (the partials dispatch size);
-   the generic kernel also numbers its multi-edge items (``item_flags``, a scan, ``items``);
+2. pass A, the KV-outer inversion (R13) on the device, one invocation per slot of ``selected``
+   (a device array bound where it is): ``psa_invert.wgsl`` ``mark`` (R6 checks, flag bits, row
+   and slot-group counts), ``psa_scan.wgsl`` (edge, row and work-item numbers), ``scatter``
+   (edges, the combine's row lists, the partials kernel's work items and page lists, and the
+   partials dispatch size);
 3. the partials kernel's params record copied from pass A's output into its uniform buffer;
-4. pass B: the partials kernel (indirect dispatch) and the combine (``psa_merge.wgsl``);
+4. pass B: the partials kernel (an indirect dispatch sized by pass A, or a fixed grid for a kernel
+   whose workgroups loop over items) and the combine (``psa_merge.wgsl``);
 5. the results: written into a new device buffer (device ``q``: the results stay there, R30);
    for a host ``q`` into a block of host memory the GPU maps, lent to the caller as ``out``
    (``_host_io.py``: where the device makes such buffers and the plan is small), else copied
@@ -72,7 +75,12 @@ TILE = 4 * SCAN_WG
 INV_WG = 64
 REC = 256  # bytes between uniform records (min-uniform-buffer-offset-alignment; raised per device)
 # uniform records of the consts buffer
-R_ROWS, R_EDGES, R_SCAN1, R_SCAN2, R_MERGE = range(5)
+R_EDGES, R_SCAN1, R_MERGE = range(3)
+SCAN_REC = 48  # bytes of psa_scan.wgsl's ScanParams
+# words a slot group's edge count is kept in (psa_invert.wgsl's gsub: a group's queries add to
+# different words, which the scan adds up; in one word the adds wait on each other: the bench's
+# prefill `mark` took 34-35 us on an H200 that way, 21 with 8 words)
+GROUP_WORDS = 8
 POOL = 8  # result buffers kept for reuse
 # the R6 error words in the args buffer (psa_invert.wgsl's args[12], args[13]: a flag and the
 # first bad row; ERR_BYTES read or handed over), with the two words after them (ERR_SPAN cleared)
@@ -187,22 +195,24 @@ class DeviceRuntime:
         decode = getattr(geom, "kernel", None) == "psa_partials_decode.wgsl"
         hpi, nh = geom.heads_per_item, geom.head_splits
         epi = 1 if decode else geom.edges_per_item
+        # psa_invert.wgsl's work words: a flag bit per (KV head, query, block), a kept mark per
+        # slot and a count per slot group (KV head, sequence, block) in gsub words; the scan
+        # numbers all three (one element per group)
         n_flags = Hkv * Tq * msb
-        n1 = n_flags + R
+        nfw = -(-n_flags // 32)
+        n_groups = Hkv * B * msb
+        gsub = 1 if decode else GROUP_WORDS
+        n1 = nfw + emax + n_groups
         nt1 = -(-n1 // TILE)
-        nt2 = -(-emax // TILE)
         s1_dst, s1_tiles = 0, n1
-        s2_dst = s1_tiles + nt1 + 1
-        s2_tiles = s2_dst + emax
-        scan_words = s2_tiles + nt2 + 1
-        w2_off = n1
-        work_words = n1 + (0 if decode else emax)
+        scan_words = s1_tiles + nt1 + 1
+        work_words = nfw + emax + n_groups * gsub
         max_items = emax * nh
         erec_base = max_items * 8
         page_base = erec_base + 2 * emax
         plan_words = page_base + emax * ppb + 64  # (+ a lane's reach past the last page list)
-        sizes = {"KV-outer flags (Hkv x Tq x msb)": 4 * work_words, "prefix sums": 4 * scan_words,
-                 "work items": 4 * plan_words, "partials": emax * G * D * 4, "q": Tq * L.num_q_heads * D * 4,
+        sizes = {"KV-outer flags (Hkv x Tq x msb bits) and counts": 4 * work_words, "prefix sums": 4 * scan_words,
+                 "work items": 4 * plan_words, "partials": (emax + 1) * G * D * 4, "q": Tq * L.num_q_heads * D * 4,
                  "out": Tq * L.num_q_heads * D * 4}
         for what, nb in sizes.items():
             if nb > ctx.binding_size:
@@ -212,6 +222,10 @@ class DeviceRuntime:
                     "call forward() with host arrays (batched on the host) [R18]")
         wg_cap = geom.max_workgroups or 0  # (a kernel whose workgroups loop over items: at most so many)
         gx_p = min(max_items, wg_cap or max_items, maxdim)
+        # such a kernel runs on a fixed grid of that many (or max_items) workgroups, those past the
+        # item count returning at once: a direct dispatch. An indirect one is validated by Dawn
+        # with a dispatch of its own and took 125 us of host time per layer on an H200.
+        self.part_grid = (min(max_items, wg_cap), 1) if 0 < wg_cap <= maxdim else None
         kname = "decode" if decode else ("sgmat" if geom.kernel_name == "psa_partials_sgmat.wgsl" else "generic")
         self.geometry = {"kernel": kname, "hpi": hpi, "nh": nh, "epi": epi, "gx": gx_p}
 
@@ -241,24 +255,22 @@ class DeviceRuntime:
         self.hio_made = False  # (None where the device cannot map host memory)
         self.hin = None  # pinned memory of a large host q (_host_io.InputBlock), made by the first
         self.hin_made = False  # call with one (None where not taken)
-        self.consts = self._buffer(5 * align, U.UNIFORM | U.COPY_DST, "consts")
+        self.consts = self._buffer(3 * align, U.UNIFORM | U.COPY_DST, "consts")
 
         # uniform records
-        rows_grid = _grid(-(-R // INV_WG), maxdim)
         edges_grid = _grid(-(-emax // INV_WG), maxdim)
         slab4 = (S * (-(-D // 4) * 4)) // 4
         inv = lambda gx, K=K: _words(Tq, Hkv, K, msb, BS, ppb, L.block_tables.shape[1], n_flags, G, nh, hpi, epi,
                                 erec_base, page_base, gx_p, emax, 2 * Tq, 2 * Tq + 2 * B, s1_dst, s1_tiles, nt1,
-                                w2_off, s2_dst, s2_tiles, nt2, gx, slab4, float(L.softmax_scale), wg_cap, 0, 0, 0)
-        g1, g2 = _grid(nt1, maxdim), _grid(nt2, maxdim)
+                                nfw, B, gsub, 0, gx, slab4, float(L.softmax_scale), wg_cap, 0, 0, 0)
+        g1 = _grid(nt1, maxdim)
         merge_c = merge_constants(D, rows)
         merge_wgs = -(-rows * (D // merge_c["DV"]) // MERGE_WG)
         mg = _grid(merge_wgs, maxdim)
-        recs = {R_ROWS: inv(rows_grid[0]), R_EDGES: inv(edges_grid[0]),
-                R_SCAN1: _words(n1, n_flags, 0, s1_dst, s1_tiles, nt1, g1[0], 0),
-                R_SCAN2: _words(emax, 0, w2_off, s2_dst, s2_tiles, nt2, g2[0], 0),
+        recs = {R_EDGES: inv(edges_grid[0]),
+                R_SCAN1: _words(n1, nfw, 0, s1_dst, s1_tiles, nt1, g1[0], nfw + emax, epi, gsub, 0, 0),
                 R_MERGE: _words(0, rows, mg[0], R + 1, 1, G, 0, 0)}
-        consts = np.zeros((5, align // 4), np.uint32)
+        consts = np.zeros((len(recs), align // 4), np.uint32)
         for i, r in recs.items():
             consts[i, :r.shape[0]] = r
         dev = ctx.device
@@ -267,8 +279,10 @@ class DeviceRuntime:
 
         # pipelines and bind groups
         cst = {"WG": INV_WG, "DECODE": int(decode), "TILE": TILE}
-        self.p_inv = {e: be._pipeline(INVERT, False, cst, entry=e)
-                      for e in (["mark", "scatter", "finalize"] + (["direct"] if decode else ["item_flags", "items"]))}
+        # (attention reads no edge fields: its scatter writes none; the index's is made when read)
+        self.p_inv = {e: be._pipeline(INVERT, False, {**cst, "EDGES": int(e != "scatter")}, entry=e)
+                      for e in (["mark", "scatter"] + (["direct"] if decode else []))}
+        self._inv_consts = cst
         self.p_scan = {e: be._pipeline(SCAN, False, {"WG": SCAN_WG}, entry=e) for e in ("tiles", "totals")}
         f16 = itemsize == 2
         # R34: an NHD cache interleaves the rows of its Hkv heads per page (what CacheLayout.make
@@ -286,11 +300,9 @@ class DeviceRuntime:
         inv_res = lambda i: [ub(i, 128)] + [{"buffer": b} for b in (self.sel, self.lay, self.work, self.scan,
                                                                     self.edges, self.merge, self.plan, self.args)]
         bgl_inv = self.p_inv["mark"][1]
-        self.bg_rows = bg(bgl_inv, inv_res(R_ROWS))
         self.bg_edges = bg(bgl_inv, inv_res(R_EDGES))
         bgl_scan = self.p_scan["tiles"][1]
-        self.bg_scan1 = bg(bgl_scan, [ub(R_SCAN1, 32), {"buffer": self.work}, {"buffer": self.scan}])
-        self.bg_scan2 = bg(bgl_scan, [ub(R_SCAN2, 32), {"buffer": self.work}, {"buffer": self.scan}])
+        self.bg_scan1 = bg(bgl_scan, [ub(R_SCAN1, SCAN_REC), {"buffer": self.work}, {"buffer": self.scan}])
         self.bg_merge = bg(self.p_merge[1], [ub(R_MERGE, 32)] + [{"buffer": b} for b in (
             self.po, self.pml, self.merge, self.out, self.oml)])
         self._ub_merge = ub(R_MERGE, 32)
@@ -298,7 +310,7 @@ class DeviceRuntime:
         self.p_widen, self.halves = {}, {}  # psa_widen.wgsl's pipelines (by size) and float16 buffers (by role)
         self.bg_part = PipelineCache(PLAN_BIND_GROUPS)
         self._inv_record, self._inv_res, self._bg = inv, inv_res, bg
-        self.grids = {"rows": rows_grid, "edges": edges_grid, "scan1": g1, "scan2": g2, "merge": mg}
+        self.grids = {"edges": edges_grid, "scan1": g1, "merge": mg}
         self.decode = decode
         if decode:  # the direct mode's fixed parts: the partials' dispatch and params
             self.direct_grid = _grid(max_items, maxdim)
@@ -445,48 +457,52 @@ class DeviceRuntime:
                 handoff=None, wide=None) -> None:
         """``wide``: ``_widened``'s dispatch for a float16 ``q`` (its caller makes it, before any
         pass it leaves open), recorded first in the layer's first pass of attention."""
-        bg_rows, bg_edges = groups or (self.bg_rows, self.bg_edges)
-        if attention and self.decode:
-            # decode: device arrays are bound where they are (bind groups kept per buffer), host
-            # arrays written into the plan's buffers; no copies, one pass
+        # device arrays are bound where they are (bind groups kept per buffer), host arrays written
+        # into the plan's buffers; the inversion's kernels run one invocation per slot (edges grid)
+        bg_slots = groups
+        if groups is None:
+            sb = self._bound(enc, sel, self.sel, self.emax * 4, np.int32)
+            bg_slots = self._cached(("slots", sb.uid), lambda: self._bg(
+                self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
+                    sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
+        if attention and self.decode:  # decode: no copies, one pass
             qb = self._q_buffer(enc, q, wide)
-            if groups is None:
-                sb = self._bound(enc, sel, self.sel, self.emax * 4, np.int32)
-                bg_edges = self._cached(("slots", sb.uid), lambda: self._bg(
-                    self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
-                        sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
-            self._encode_direct(enc, qb, k, v, bg_edges, cp, bg_merge, handoff, wide)  # (its grid: one invocation per slot)
+            self._encode_direct(enc, qb, k, v, bg_slots, cp, bg_merge, handoff, wide)
             return
         if cp is not None:
             cp.end()  # the inversion clears buffers first: outside a pass
         qb = self._q_buffer(enc, q, wide)
-        if sel is not None:
-            self._stage(enc, sel, self.sel, self.emax * 4, np.int32)
         enc.clear_buffer(self.work, 0, self.work_bytes)
         self._clear_errors(enc)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(0))
         if wide is not None:
             self._dispatch(cp, *wide)
-        self._dispatch(cp, self.p_inv["mark"][0], bg_rows, self.grids["rows"])
+        self._dispatch(cp, self.p_inv["mark"][0], bg_slots, self.grids["edges"])
         self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan1, self.grids["scan1"])
         self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan1, (1, 1))
-        self._dispatch(cp, self.p_inv["scatter"][0], bg_rows, self.grids["rows"])
-        if not self.decode:
-            self._dispatch(cp, self.p_inv["item_flags"][0], bg_edges, self.grids["edges"])
-            self._dispatch(cp, self.p_scan["tiles"][0], self.bg_scan2, self.grids["scan2"])
-            self._dispatch(cp, self.p_scan["totals"][0], self.bg_scan2, (1, 1))
-            self._dispatch(cp, self.p_inv["items"][0], bg_edges, self.grids["edges"])
-        self._dispatch(cp, self.p_inv["finalize"][0], bg_rows, (1, 1))
+        scatter = self.p_inv["scatter"] if attention else self._index_scatter()
+        self._dispatch(cp, scatter[0], bg_slots, self.grids["edges"])
         cp.end()
         if not attention:
             return
         enc.copy_buffer_to_buffer(self.args, 16, self.pparams, 0, 32)
         cp = enc.begin_compute_pass(timestamp_writes=self._ts(1))
-        cp.set_pipeline(self.p_part[0])
-        cp.set_bind_group(0, self._partials_group(qb, k, v, self.pparams))
-        cp.dispatch_workgroups_indirect(self.args, 0)
+        if self.part_grid is not None:
+            self._dispatch(cp, self.p_part[0], self._partials_group(qb, k, v, self.pparams), self.part_grid)
+        else:
+            cp.set_pipeline(self.p_part[0])
+            cp.set_bind_group(0, self._partials_group(qb, k, v, self.pparams))
+            cp.dispatch_workgroups_indirect(self.args, 0)
         self._dispatch(cp, self.p_merge[0], bg_merge or self.bg_merge, self.grids["merge"])
         cp.end()
+
+    def _index_scatter(self):
+        """``scatter`` writing the edge fields too (``EDGES``): the index read back (R33)."""
+        hit = self.p_inv.get("scatter.edges")
+        if hit is None:
+            hit = self.p_inv["scatter.edges"] = self.be._pipeline(INVERT, False, {**self._inv_consts, "EDGES": 1},
+                                                                  entry="scatter")
+        return hit
 
     def _widened(self, enc, x, dst, role: str):
         """A float16 tensor of the layer (R7: ``q``, or ``index_q`` with rows of whole 16-byte
@@ -907,11 +923,10 @@ class DeviceRuntime:
             records.append(topk_record(f2, cnt, gx, msb, k_out, Hkv))
             calls.append((tpipe, tbgl, [sp.scores, local, self.sel], gx, gy))
         n = len(records)
-        consts = np.zeros((n + 2, align // 4), np.uint32)
+        consts = np.zeros((n + 1, align // 4), np.uint32)
         for i, r in enumerate(records):
             consts[i, :r.shape[0]] = r
-        consts[n, :32] = self._inv_record(self.grids["rows"][0], K=k_out)
-        consts[n + 1, :32] = self._inv_record(self.grids["edges"][0], K=k_out)
+        consts[n, :32] = self._inv_record(self.grids["edges"][0], K=k_out)
         cbuf = self._buffer(consts.nbytes, U.UNIFORM | U.COPY_DST, "score.consts", sp.bufs)
         dev.queue.write_buffer(cbuf, 0, consts)
         sp.uid = cbuf.uid  # this setup's, in the keys of the bind groups made for it (uids are never reused)
@@ -929,7 +944,7 @@ class DeviceRuntime:
         sp.calls = bind(sp.iq)
         bgl_inv = self.p_inv["mark"][1]
         sub = lambda i: [{"buffer": cbuf, "offset": i * align, "size": 128}] + self._inv_res(0)[1:]
-        sp.groups = (self._bg(bgl_inv, sub(n)), self._bg(bgl_inv, sub(n + 1)))
+        sp.groups = self._bg(bgl_inv, sub(n))  # the inversion's bind group reading the top-k's selection
         self.sparse = sp
         return sp
 
