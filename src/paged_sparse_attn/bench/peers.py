@@ -78,14 +78,17 @@ def copy_bandwidth(nbytes: int = 1 << 31, repeat: int = 10) -> float:
     return 2 * nbytes / t
 
 
-def matmul_rate(size: int = 4096, repeat: int = 20) -> float:
-    """FLOP/s of torch's bf16 matmul (size x size x size) on this GPU, by CUDA events."""
+def matmul_rate(size: int = 4096, repeat: int = 20, n: int | None = None, k: int | None = None) -> float:
+    """FLOP/s of torch's bf16 matmul ``[size, k] x [k, n]`` (both ``size`` unless given) on this
+    GPU, by CUDA events."""
     import torch
 
-    a = torch.randn(size, size, device=_dev(), dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=_dev(), dtype=torch.bfloat16)
+    n = size if n is None else n
+    k = size if k is None else k
+    a = torch.randn(size, k, device=_dev(), dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=_dev(), dtype=torch.bfloat16)
     t = cuda_time(lambda: torch.matmul(a, b), repeat)
-    return 2.0 * size ** 3 / t
+    return 2.0 * size * n * k / t
 
 
 def _on_device(problem, torch, dtype):
