@@ -97,11 +97,11 @@ struct InvParams {
     emax: u32,        // edge capacity: Tq Hkv K
     seq_off: u32,     // (cu_b, T_b) in lay
     bt_off: u32,      // block_tables in lay
-    s1_dst: u32,      // prefixes of flags and row counts in scan
+    s1_dst: u32,      // prefixes of the flag words, kept marks and slot groups in scan
     s1_tiles: u32,    // their tile sums in scan
     s1_ntiles: u32,
     nfw: u32,         // words of flag bits: ceil(n_flags / 32); the kept marks follow them in work
-    nseq: u32,        // sequences (B): slot group (h, b, s) is count h B msb + b msb + s
+    nseq: u32,        // sequences (B): slot group (h, b, s) is group (h B + b) msb + s
     gsub: u32,        // words per slot group count (>= 1; 1 with DECODE = 1, which counts none)
     _pad5: u32,
     grid_x: u32,      // workgroups along x of this dispatch (2-D grid)
@@ -132,7 +132,7 @@ fn prefix1(i: u32) -> u32 {
 // the edge id of flag bit f: the set bits before it (f may be n_flags: then the edge count)
 fn edge_id(f: u32) -> u32 {
     let w = f >> 5u;
-    let below = (1u << (f & 31u)) - 1u;  // (f % 32 = 0: none of word w, which may be a row count)
+    let below = (1u << (f & 31u)) - 1u;  // (f % 32 = 0: none of word w, which may be a kept mark)
     return prefix1(w) + countOneBits(atomicLoad(&work[w]) & below);
 }
 
