@@ -9,7 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_sparse_attn.backends.wgpu._layer import SCAN, SCAN_REC, SCAN_WG, TILE, _grid, _words
+from paged_sparse_attn.backends.wgpu._layer import (
+    SCAN,
+    SCAN_REC,
+    SCAN_WG,
+    TILE,
+    _grid,
+    _words,
+)
 from paged_sparse_attn.backends.wgpu._webgpu import BufferUsage
 
 
@@ -23,7 +30,7 @@ def test_R13_the_scan_counts_flag_bits_counts_and_items(backend, sub, div):
     plain = rng.integers(0, 3, n_plain).astype(np.uint32)
     parts = rng.integers(0, 40, (n_groups, sub)).astype(np.uint32)
     src = np.concatenate([words, plain, parts.reshape(-1)])
-    values = np.concatenate([[bin(int(w)).count("1") for w in words], plain,
+    values = np.concatenate([[int(w).bit_count() for w in words], plain,
                              -(-parts.astype(np.int64).sum(1) // div)]).astype(np.int64)
     n = values.size
     nt = -(-n // TILE)
