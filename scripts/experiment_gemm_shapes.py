@@ -6,11 +6,13 @@ workgroup memory, so that more workgroups may be resident), 256 x 128 in one sta
 best block of the table with more padding per staged row, and (not yet timed) blocks of three
 subgroup columns or rows, 128 x 192 and 192 x 128, the only double-buffered blocks of 8 subgroups
 of 64 x 48 or 48 x 64 results that fit 48 KiB with padded rows (45 and 47 KiB): one barrier per
-K step instead of two. Each is timed and checked against the bound of float32 accumulation by
+K step instead of two; and the table's best block in K steps of 48 (39 KiB; K steps of 64 need
+51 KiB): two barriers per 48 of K instead of per 32. Each is timed and checked against the bound of float32 accumulation by
 the ceiling's own harness (``matmul_variants``), ``--rounds`` times in turn on one Dawn device,
 beside the table's best (128 x 256, BK 32, one stage) and torch's bf16 matmul of the same shape
 in the same process. A block that does not divide the shape is skipped and says so: the blocks
-of 192 need a shape such as ``--shape 4608 4608 4096`` (every block above divides it).
+of 192 and the K steps of 48 need a shape such as ``--shape 4608 4608 4608`` (every block
+above divides it).
 
     python scripts/experiment_gemm_shapes.py [--size 4096 | --shape M N K] [--rounds 2]
 """
@@ -43,6 +45,7 @@ SHAPES = (
     _variant(T, SGM=2, SGN=4, TM=4, TN=4, BK=32, STAGES=1, PAD=24),
     _variant(T, SGM=2, SGN=4, TM=4, TN=3, BK=32, STAGES=2),            # 128 x 192, two stages (45 KiB)
     _variant(T, SGM=4, SGN=2, TM=3, TN=4, BK=32, STAGES=2),            # 192 x 128, two stages (47 KiB)
+    _variant(T, SGM=2, SGN=4, TM=4, TN=4, BK=48, STAGES=1),            # the best in K steps of 48 (39 KiB)
 )
 
 
