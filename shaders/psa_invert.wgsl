@@ -240,21 +240,20 @@ fn scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     }
     let j = x - r * params.k;
     let E = num_edges();
+    let place = prefix1(params.nfw + x) - E;  // the kept slots before this one, of every row
     if (j == 0u) {
-        merge[r] = prefix1(params.nfw + x) - E;  // row_ptr: the kept slots of the rows before
+        merge[r] = place;  // row_ptr: the kept slots of the rows before
         if (r == n_rows - 1u) {
             merge[n_rows] = prefix1(params.nfw + n_rows * params.k) - E;
         }
     }
+    if (atomicLoad(&work[params.nfw + x]) == 0u) {
+        return;  // not kept: mark's checks (a valid id, visible, not repeated) left no mark
+    }
+    let s = sel[x];
     let t = r / params.hkv;
     let h = r - t * params.hkv;
     let qi = query(t);
-    let nvis = n_visible(qi.hi);
-    let base = r * params.k;
-    let s = sel[base + j];
-    if (s < 0 || s >= i32(params.msb) || u32(s) >= nvis || repeated(base, j, s)) {
-        return;
-    }
     let f = flag_index(t, h, u32(s), qi);
     let e = edge_id(f);
     let len = min(params.bs, u32(qi.hi) - u32(s) * params.bs);
@@ -267,8 +266,7 @@ fn scatter(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         edges[4u * em + e] = j;
         edges[5u * em + e] = len;
     }
-    // its place in the row's list (rank order): the kept slots before it, of every row
-    merge[n_rows + 1u + prefix1(params.nfw + x) - E] = e;
+    merge[n_rows + 1u + place] = e;  // its place in the row's list (rank order)
     plan[params.erec_base + 2u * e] = r;        // the q row of the edge: t Hkv + h
     plan[params.erec_base + 2u * e + 1u] = len;
     if (DECODE == 1u) {

@@ -297,10 +297,10 @@ class DeviceRuntime:
         def bg(bgl, res):
             return dev.create_bind_group(layout=bgl, entries=[{"binding": j, "resource": r} for j, r in enumerate(res)])
 
-        inv_res = lambda i: [ub(i, 128)] + [{"buffer": b} for b in (self.sel, self.lay, self.work, self.scan,
-                                                                    self.edges, self.merge, self.plan, self.args)]
-        bgl_inv = self.p_inv["mark"][1]
-        self.bg_edges = bg(bgl_inv, inv_res(R_EDGES))
+        # the inversion's resources: record i of the consts and the selection in buffer `sel`
+        inv_res = lambda i, sel=None: [ub(i, 128)] + [{"buffer": b} for b in (
+            self.sel if sel is None else sel, self.lay, self.work, self.scan, self.edges, self.merge, self.plan,
+            self.args)]
         bgl_scan = self.p_scan["tiles"][1]
         self.bg_scan1 = bg(bgl_scan, [ub(R_SCAN1, SCAN_REC), {"buffer": self.work}, {"buffer": self.scan}])
         self.bg_merge = bg(self.p_merge[1], [ub(R_MERGE, 32)] + [{"buffer": b} for b in (
@@ -462,9 +462,8 @@ class DeviceRuntime:
         bg_slots = groups
         if groups is None:
             sb = self._bound(enc, sel, self.sel, self.emax * 4, np.int32)
-            bg_slots = self._cached(("slots", sb.uid), lambda: self._bg(
-                self.p_inv["mark"][1], [dict(self._inv_res(R_EDGES)[0])] + [{"buffer": b} for b in (
-                    sb, self.lay, self.work, self.scan, self.edges, self.merge, self.plan, self.args)]))
+            bg_slots = self._cached(("slots", sb.uid),
+                                    lambda: self._bg(self.p_inv["mark"][1], self._inv_res(R_EDGES, sb)))
         if attention and self.decode:  # decode: no copies, one pass
             qb = self._q_buffer(enc, q, wide)
             self._encode_direct(enc, qb, k, v, bg_slots, cp, bg_merge, handoff, wide)
