@@ -14,7 +14,7 @@ in the same process. A block that does not divide the shape is skipped and says 
 of 192 and the K steps of 48 need a shape such as ``--shape 4608 4608 4608`` (every block
 above divides it).
 
-    python scripts/experiment_gemm_shapes.py [--size 4096 | --shape M N K] [--rounds 2]
+    python scripts/experiment_gemm_shapes.py [--size 4096 | --shape M N K] [--rounds 2] [--only I ...]
 """
 
 from __future__ import annotations
@@ -55,13 +55,18 @@ def main() -> int:
     ap.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"), help="instead of size^3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--warmup", type=float, default=0.05, help="seconds of warm-up runs per variant")
+    ap.add_argument("--only", type=int, nargs="+", metavar="I",
+                    help="time only these rows of SHAPES (0: the table's best)")
     a = ap.parse_args()
     m, n, k = a.shape or (a.size,) * 3
+    shapes = SHAPES if a.only is None else tuple(SHAPES[i] for i in a.only)
     ctx = registry.get_backend("dawn").device_context
     print(f"device: {ctx.summary}; workgroup memory {ctx.workgroup_storage} B", flush=True)
     rates: dict = {}
     for r in range(a.rounds):
-        for row in matmul_variants(ctx, m, n, k, repeat=a.repeat, variants=SHAPES, seed=r):
+        for row in matmul_variants(ctx, m, n, k, repeat=a.repeat, variants=shapes, seed=r,
+                                   warmup_s=a.warmup):
             if row["skipped"]:
                 print(f"  {row['name']}: skipped: {row['skipped']}", flush=True)
                 continue

@@ -53,7 +53,8 @@
 // Empty and NaN representation: WGSL guarantees neither infinities nor NaN ordering in max, so a
 // row keeps the max of u32 keys. logit_key maps a float32 to an order-preserving u32 (bit test for
 // NaN -> 0xffffffff, the largest key, so NaN wins every max as in the reference); 0 is no float's
-// key and means "nothing visible". The host decodes 0 -> -inf and 0xffffffff -> NaN.
+// key and means "nothing visible". psa_score_keys.wgsl decodes 0 -> -inf and 0xffffffff -> NaN
+// (block_scores(); a device-resident layer feeds the keys to the top-k as they are).
 //
 // Override constants
 //   DV  vec4s per index row (ceil(d_idx / 4))     S   page size      BS  block size

@@ -552,12 +552,42 @@ def test_R25_score_items_cover_each_key_once_only_when_they_do():
     assert not covers_once(np.zeros((0, 8), np.int64), 0, 2, 3)
 
 
-def test_R22_score_keys_decode_to_the_floats_they_encode():
-    """The host's decoding of block-score keys inverts the kernels' encoding bit for bit: every
-    float32 (both zeros, subnormals, the extremes, infinities) comes back with its bits, 0 (nothing
-    visible) as -inf and 0xffffffff as NaN; a sweep of the whole key range decodes to floats whose
-    re-encoding is the key (NaN and 0 aside)."""
-    from paged_sparse_attn.backends.wgpu._index_branch import decode_score_keys
+def _decode_on_device(backend, keys: np.ndarray) -> np.ndarray:
+    """``keys`` (u32) through psa_score_keys.wgsl as block_scores() runs it: float32 bits back."""
+    from paged_sparse_attn.backends.wgpu._index_branch import (
+        KEY_DECODE,
+        KEY_DECODE_WG,
+        _Run,
+        key_decode_dispatches,
+    )
+    from paged_sparse_attn.backends.wgpu._webgpu import BufferUsage
+
+    ctx = backend._device()
+    run = _Run(ctx, pooled=False)
+    got = {}
+    try:
+        buf = ctx.device.create_buffer(size=max(16, keys.nbytes), label="test.keys",
+                                       usage=BufferUsage.STORAGE | BufferUsage.COPY_SRC | BufferUsage.COPY_DST)
+        run.owned.append(buf)
+        ctx.device.queue.write_buffer(buf, 0, keys)
+        pipe, bgl = backend._ib_pipeline(KEY_DECODE, False, {"WG": KEY_DECODE_WG})
+        for rec, gx, gy in key_decode_dispatches(keys.size, ctx.workgroups_per_dim):
+            run.dispatch(pipe, bgl, [buf], rec, gx, gy)
+        run.read(buf, keys.nbytes, lambda raw: got.setdefault("v", raw.view(np.uint32).copy()))
+        run.submit()
+    finally:
+        run.close()
+    return got["v"]
+
+
+@pytest.mark.parametrize("which", ["be", "be_split"])
+def test_R22_score_keys_decode_on_the_device_to_the_floats_they_encode(which, request):
+    """psa_score_keys.wgsl inverts the score kernels' key encoding bit for bit: every float32 (both
+    zeros, subnormals, the extremes, infinities) comes back with its bits, 0 (nothing visible) as
+    -inf and 0xffffffff as the quiet NaN; a sweep of the whole key range decodes to floats whose
+    re-encoding is the key (NaN and 0 aside). ``be_split`` spreads the words over many dispatches
+    of 2 x 2 workgroups (each dispatch's first workgroup and count, the words past the last)."""
+    backend = request.getfixturevalue(which)
 
     def encode(x):
         b = np.asarray(x, np.float32).view(np.uint32)
@@ -566,15 +596,19 @@ def test_R22_score_keys_decode_to_the_floats_they_encode():
     rng = np.random.default_rng(5)
     special = np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45, 1.17549435e-38, -1.17549435e-38,
                         3.4028235e38, -3.4028235e38, 1.0, -1.0], np.float32)
-    x = np.concatenate([special, rng.standard_normal(10_000).astype(np.float32) * np.float32(1e3)])
-    got = decode_score_keys(encode(x))
-    np.testing.assert_array_equal(got.view(np.uint32), x.view(np.uint32))
-    keys = np.arange(1, 2**32 - 1, 65521, dtype=np.uint64).astype(np.uint32)
-    dec = decode_score_keys(keys)
-    finite = ~np.isnan(dec)
-    np.testing.assert_array_equal(encode(dec[finite]), keys[finite])
-    edge = decode_score_keys(np.array([0, 0xFFFFFFFF], np.uint32))
-    assert edge[0] == -np.inf and np.isnan(edge[1])
+    n_rand = 10_000 if which == "be" else 3_000  # 4 workgroups of 256 words per dispatch: 3 dispatches
+    x = np.concatenate([special, rng.standard_normal(n_rand).astype(np.float32) * np.float32(1e3)])
+    bits = _decode_on_device(backend, encode(x))
+    np.testing.assert_array_equal(bits, x.view(np.uint32))
+    if which == "be":
+        keys = np.arange(1, 2**32 - 1, 65521, dtype=np.uint64).astype(np.uint32)
+        dec = _decode_on_device(backend, keys).view(np.float32)
+        finite = ~np.isnan(dec)
+        assert finite.sum() > 0.99 * keys.size  # only the NaN floats' keys decode to NaN
+        np.testing.assert_array_equal(encode(dec[finite]), keys[finite])
+    edge = _decode_on_device(backend, np.array([0, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF, 5], np.uint32))
+    assert edge.tolist()[:4] == [0xFF800000, 0x7FC00000, 0x00000000, 0x80000000]
+    assert edge[4] == ~np.uint32(5)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -150,22 +150,24 @@ def test_matmul_rate_needs_subgroup_matrices(WgpuBackend):
 def test_gemm_variants_are_skipped_where_they_do_not_fit():
     """The host runs a GEMM variant only where its workgroup memory, invocations, subgroup size
     and block fit; the list always keeps the naive kernel and a tiled one within WebGPU's
-    default limits (16 KiB, 256 invocations)."""
+    default limits (16 KiB, 256 invocations), and every variant fits the bench's shape on an
+    H200 (``GEMM_SIZE``, a multiple of every block)."""
     from types import SimpleNamespace
 
     from paged_sparse_attn.backends.wgpu._ceilings import GEMM_VARIANTS
+    from paged_sparse_attn.bench.gpu import GEMM_SIZE as S
 
     small = SimpleNamespace(workgroup_storage=16384, max_invocations=256, subgroup=(32, ""))
     h200 = SimpleNamespace(workgroup_storage=49152, max_invocations=1024, subgroup=(32, ""))
     wave64 = SimpleNamespace(workgroup_storage=49152, max_invocations=1024, subgroup=(64, ""))
-    fit = {name: [v.name for v in GEMM_VARIANTS if v.unfit(ctx, 4096, 4096, 4096) is None]
+    fit = {name: [v.name for v in GEMM_VARIANTS if v.unfit(ctx, S, S, S) is None]
            for name, ctx in (("small", small), ("h200", h200), ("wave64", wave64))}
     assert fit["h200"] == [v.name for v in GEMM_VARIANTS]
     assert any(n.startswith("tiled") for n in fit["small"]) and any(n.startswith("naive") for n in fit["small"])
     assert all(n.startswith("naive") for n in fit["wave64"])
     for v in GEMM_VARIANTS:
         bm, bn, bk = v.block
-        why = v.unfit(small, 4096, 4096, 4096)
+        why = v.unfit(small, S, S, S)
         assert (why is None) == (v.workgroup_bytes <= 16384 and v.invocations <= 256)
         assert v.unfit(h200, bm * 3, bn * 2, bk * 5) is None
         if bm > 16:

@@ -37,6 +37,9 @@ from .workloads import Workload, make_problem, needed_kv_bytes
 
 __all__ = ["GPU_WORKLOADS", "QUICK_GPU_WORKLOADS", "run_gpu"]
 
+# the matmul ceiling's square shape, ours and torch's: a multiple of every block of
+# GEMM_VARIANTS (256 rows or columns, K steps up to 64 and of 48)
+GEMM_SIZE = 4608
 MSA = dict(Hq=32, Hkv=4, D=128, page_size=64, block_size=128, topk=16)
 
 GPU_WORKLOADS = (
@@ -135,7 +138,7 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
                                                                                warmup_s=0.0 if quick else 1.0)
         if hasattr(be, "matmul_rate") and "subgroup-matrix-f16-16x16x16" in be.capabilities.features:
             say(f"{be.name}: subgroup-matrix matmul rate")
-            result["ceilings"][f"{be.name} matmul FLOP/s"] = be.matmul_rate(1024 if quick else 4096)
+            result["ceilings"][f"{be.name} matmul FLOP/s"] = be.matmul_rate(1024 if quick else GEMM_SIZE)
             result["ceilings"][f"{be.name} matmul"] = dict(be.last_timings)
             if hasattr(be, "robustness"):
                 # the same GEMM variants with Dawn's bounds checks toggled: what the checks cost
@@ -145,7 +148,7 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
                 say(f"{be.name}: subgroup-matrix matmul rate {label}")
                 twin = type(be)(robustness=other)
                 try:
-                    result["ceilings"][f"{be.name} matmul FLOP/s, {label}"] = twin.matmul_rate(1024 if quick else 4096)
+                    result["ceilings"][f"{be.name} matmul FLOP/s, {label}"] = twin.matmul_rate(1024 if quick else GEMM_SIZE)
                     result["ceilings"][f"{be.name} matmul, {label}"] = dict(twin.last_timings)
                 finally:
                     twin.close()
@@ -153,7 +156,7 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
         say("torch: copy bandwidth")
         result["ceilings"]["torch copy bytes/s"] = copy_bandwidth(1 << (24 if quick else 31))
         say("torch: bf16 matmul rate")
-        result["ceilings"]["torch bf16 matmul FLOP/s"] = torch_matmul_rate(1024 if quick else 4096)
+        result["ceilings"]["torch bf16 matmul FLOP/s"] = torch_matmul_rate(1024 if quick else GEMM_SIZE)
     bws = [v for k, v in result["ceilings"].items() if k.endswith("bytes/s") and v == v]
     bw = max(bws) if bws else None
     result["copy_bandwidth"] = bw

@@ -208,7 +208,13 @@ def flex_blockmask(problem: dict, dtype_name: str = "bfloat16", repeat: int = 10
         ok = allow_t[bi, qi, hi // G, ki // BS]
         return ok & (ki <= qi + off) if causal else ok
 
-    bm = create_block_mask(mask_mod, B=B, H=Hq, Q_LEN=T, KV_LEN=L, device=_dev())
+    # built by torch's compiled builder, tile by tile: the eager builder evaluates mask_mod over the
+    # dense [B, Hq, T, L] grid (the prefill's 4.3 G positions, with index temporaries), which ran
+    # out of the H200's 140 GB in the gpu suite (2026-12-04)
+    import inspect
+
+    compiled = {"_compile": True} if "_compile" in inspect.signature(create_block_mask).parameters else {}
+    bm = create_block_mask(mask_mod, B=B, H=Hq, Q_LEN=T, KV_LEN=L, device=_dev(), **compiled)
     flex = torch.compile(flex_attention, dynamic=False)
     return cuda_time(lambda: flex(q, k, v, block_mask=bm, enable_gqa=True), repeat)
 

@@ -27,7 +27,7 @@ from ._kernels import pipeline
 from ._plan import grid_dispatches, unique_sorted
 from ._webgpu import BufferUsage
 
-__all__ = ["IndexBranchMixin", "decode_score_keys"]
+__all__ = ["IndexBranchMixin"]
 
 SCORES = "psa_block_scores.wgsl"
 SCORES_DECODE = "psa_block_scores_decode.wgsl"  # items of <= 8 rows (one query per sequence)
@@ -45,6 +45,10 @@ SCORES_DECODE_SG_PF = 0
 # 16-lane groups of at most 4 rows reduce a chunk's 4 x 4 logits together (the kernel's JR)
 SCORES_DECODE_SG_JR = True
 TOPK = "psa_select_topk.wgsl"
+# block_scores() decodes its keys to float32 on the device, the pass's last dispatches (numpy took
+# ~18 ms per call for the 4.2 M keys of the bench's prefill on the H200's host)
+KEY_DECODE = "psa_score_keys.wgsl"
+KEY_DECODE_WG = 256
 SCORES_WG = 64  # rows per block-score work item at most (override RT of the shader)
 TOPK_WG = 64
 # vec4s of a row staged per step (DCV), in order of preference. Measured on the H200 (decode
@@ -220,26 +224,13 @@ def topk_record(first: int, count: int, grid_x: int, msb: int, k_out: int, heads
     return _record(first, count, grid_x, msb, k_out, heads, -(-int(msb - 1).bit_length() // 8))
 PARAM_BYTES = 48  # one uniform record per dispatch (multiple of 16)
 INVALID = 0xFFFFFFFF
-NAN_KEY = 0xFFFFFFFF
 
 
-def decode_score_keys(keys: np.ndarray) -> np.ndarray:
-    """Block-score keys of ``psa_block_scores.wgsl`` -> float32 (0 -> -inf, 0xffffffff -> NaN).
-
-    A key with its top bit set is a float's bits with the sign bit set (a float >= +0), else the
-    complement of a negative float's bits: bits = key ^ 0x80000000 ^ (0x7fffffff if the top bit
-    is clear), computed in place on one new array (a prefill call decodes millions of keys).
-    """
-    k = np.asarray(keys, dtype=np.uint32)
-    t = k >> np.uint32(31)  # 1 for keys of floats >= +0, 0 for negative ones
-    t -= np.uint32(1)  # 0, or 0xffffffff (wraps)
-    t &= np.uint32(0x7FFFFFFF)
-    t ^= k
-    t ^= np.uint32(0x80000000)
-    out = t.view(np.float32)
-    out[k == 0] = -np.inf
-    out[k == NAN_KEY] = np.nan
-    return out
+def key_decode_dispatches(n_words: int, max_per_dim: int):
+    """Dispatches of psa_score_keys.wgsl over ``n_words`` keys: yields ``(params record, grid_x,
+    grid_y)``, one invocation per word."""
+    for first, count, gx, gy in grid_dispatches(-(-int(n_words) // KEY_DECODE_WG), max_per_dim):
+        yield _record(first, count, gx, n_words), gx, gy
 
 
 def _record(*vals) -> np.ndarray:
@@ -542,9 +533,12 @@ class IndexBranchMixin:
                                                                      st.resident, st.step, st.plan, st.qend)
         pt, pipe, bgl, DV = st.pt, st.pipe, st.bgl, st.DV
         ctx = self._device()
-        out = np.full((Tq, Hkv, msb), -np.inf, dtype=np.float32)
-        iq = np.zeros((Tq, Hkv, DV * 4), dtype=np.float32)
-        iq[:, :, :d] = p.index_q
+        out = np.empty((Tq, Hkv, msb), dtype=np.float32)  # every batch's rows are read back into it
+        if d == DV * 4:
+            iq = np.ascontiguousarray(p.index_q, dtype=np.float32)
+        else:  # the rows padded to whole vec4s
+            iq = np.zeros((Tq, Hkv, DV * 4), dtype=np.float32)
+            iq[:, :, :d] = p.index_q
         run = _Run(ctx, self._max_bytes is None, cache_bind_groups=resident)
         sizes = dict(Tq=Tq, Hkv=Hkv, msb=msb, d_idx=d, chunks=nch)
         try:
@@ -557,6 +551,7 @@ class IndexBranchMixin:
                 maxdim = ctx.workgroups_per_dim
                 scale = float(p.softmax_scale)
                 flat = out.reshape(Tq, -1)
+                kpipe, kbgl = self._ib_pipeline(KEY_DECODE, False, {"WG": KEY_DECODE_WG})
                 for ta in range(0, Tq, step):
                     tb = min(Tq, ta + step)
                     nq = tb - ta
@@ -571,9 +566,11 @@ class IndexBranchMixin:
                             for f2, cnt, gx, gy in score_dispatches(part.shape[0], st.ipw, maxdim):
                                 rec = _record(f2, cnt, gx, nq, Hkv, msb, scale, int(starts[c]), int(starts[c + 1]))
                                 run.dispatch(pipe, bgl, [qbuf, kbufs[c], pbuf, plbuf, obuf], rec, gx, gy)
+                    for rec, gx, gy in key_decode_dispatches(nq * Hkv * msb, maxdim):
+                        run.dispatch(kpipe, kbgl, [obuf], rec, gx, gy)
 
-                    def sink(raw, ta=ta, tb=tb):
-                        flat[ta:tb] = decode_score_keys(raw.view(np.uint32)).reshape(tb - ta, -1)
+                    def sink(raw, ta=ta, tb=tb):  # float32 bits (psa_score_keys.wgsl)
+                        flat[ta:tb] = raw.view(np.float32).reshape(tb - ta, -1)
 
                     run.read(obuf, nq * Hkv * msb * 4, sink)
                 run.submit()

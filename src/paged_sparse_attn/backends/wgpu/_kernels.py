@@ -61,6 +61,9 @@ KERNEL_TABLE: dict[str, Kernel] = {
     "psa_block_scores_decode_sg.wgsl": Kernel("urrrrw", trusted=True, subgroups=True),  # index keys as 16-byte units
     "psa_block_scores_sgmat.wgsl": Kernel("urrrrw", trusted=True, sgmat=True),  # float16 HND index keys, tensor cores
     "psa_select_topk.wgsl": Kernel("urrw", trusted=True),
+    # block-score keys decoded to float32 where they are, before block_scores() reads them back
+    # (each invocation one word below the params' count)
+    "psa_score_keys.wgsl": Kernel("uw", trusted=True),
     # ceilings the benchmark measures (no attention kernel); the host runs them only on shapes
     # that are whole blocks of the variant (the variant's ``unfit`` in ``_ceilings``)
     "psa_gemm_sgmat.wgsl": Kernel("urrw", trusted=True, sgmat=True),
