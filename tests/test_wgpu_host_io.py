@@ -299,3 +299,58 @@ def test_a_spinning_wait_returns_after_the_submitted_work_on_a_runtime_that_cann
         rb.unmap()
     finally:
         be.close()
+
+
+def test_a_calls_large_inputs_keep_their_pinned_block_per_label_and_grow_it():
+    """``call_input``: one block per (label, slot), reused by the next call that fits it, made anew
+    (the old buffer destroyed) for a larger input; None where the device maps no host memory or
+    the input is below ``INPUT_MIN_BYTES``, and nothing is kept then."""
+    destroyed = []
+
+    class _Buffers(_Memory):
+        @staticmethod
+        def create_buffer_from_host_memory(device, mem, *, usage, label=""):
+            return SimpleNamespace(mem=mem, usage=usage, label=label, destroy=lambda: destroyed.append(label))
+
+    ctx = SimpleNamespace(runtime=SimpleNamespace(host_memory_module=lambda: _Buffers), device=None, host_memory=True,
+                          host_inputs={})
+    n = _host_io.INPUT_MIN_BYTES
+    a = _host_io.call_input(ctx, ("scores", 0), n, _ROOMY)
+    assert a is not None and _host_io.call_input(ctx, ("scores", 0), n - 4096, _ROOMY) is a
+    b = _host_io.call_input(ctx, ("index_q", 0), n, _ROOMY)
+    assert b is not None and b is not a and set(ctx.host_inputs) == {("scores", 0), ("index_q", 0)}
+    c = _host_io.call_input(ctx, ("scores", 0), 2 * n, _ROOMY)
+    assert c is not a and c.bytes.nbytes >= 2 * n and destroyed == ["scores.pinned"]
+    assert ctx.host_inputs[("scores", 0)] is c
+    assert _host_io.call_input(ctx, ("small", 0), n - 4, _ROOMY) is None and ("small", 0) not in ctx.host_inputs
+    off = SimpleNamespace(host_memory=False, host_inputs={})
+    assert _host_io.call_input(off, ("scores", 0), n, _ROOMY) is None and off.host_inputs == {}
+
+
+@pytest.mark.psa_backends(exclude=("numpy",))
+def test_index_branch_inputs_through_pinned_memory_give_the_bits_of_queue_writes(backend, monkeypatch):
+    """``block_scores()`` and ``select_topk()`` with every host input through the device's pinned
+    memory (the size threshold lowered, on a device that maps host memory; elsewhere written by
+    the queue): calls in turn with different index queries and scores, each with the bits of the
+    same call written by the queue, the blocks kept for the next call."""
+    from paged_sparse_attn.bench.index_branch import _problem
+
+    p = _problem(2048, 64)
+    rng = np.random.default_rng(3)
+    iqs = [p["index_q"], rng.standard_normal(p["index_q"].shape, dtype=np.float32)]
+
+    def both(iq):
+        sc = psa.block_scores(iq, p["index_k_cache"], p["block_tables"], p["cu_seqlens_q"], p["used_kv_lens"],
+                              block_size=p["block_size"], backend=backend)
+        sel = psa.select_topk(sc, 4, cu_seqlens_q=p["cu_seqlens_q"], used_kv_lens=p["used_kv_lens"],
+                              block_size=p["block_size"], backend=backend)
+        return sc, sel
+
+    queued = [both(iq) for iq in iqs]
+    monkeypatch.setattr(_host_io, "INPUT_MIN_BYTES", 64)
+    pinned = [both(iq) for iq in iqs + iqs]
+    ctx = backend.device_context
+    assert bool(ctx.host_inputs) == ctx.host_memory
+    for (sc, sel), (sc2, sel2) in zip(queued + queued, pinned):
+        assert sc2.tobytes() == sc.tobytes() and sel2.tobytes() == sel.tobytes()
+    assert queued[0][0].tobytes() != queued[1][0].tobytes()  # the two calls differ: a stale input would show

@@ -130,6 +130,8 @@ class DeviceContext:
     layouts: dict = field(default_factory=dict)
     scratch: tuple | None = None  # partials scratch buffers (o, ml), reused across calls
     pool: dict = field(default_factory=dict)  # per-call buffers by role, reused and grown
+    # pinned host memory of the index branch's large host inputs, by (label, slot): _host_io.call_input
+    host_inputs: dict = field(default_factory=dict)
     bind_groups: dict = field(default_factory=lambda: PipelineCache(MAX_BIND_GROUPS))  # see _transfer.bind_group
     geometries: dict = field(default_factory=lambda: PipelineCache(MAX_PIPELINES))  # kernel geometries by call shape
     ns_per_tick: float = 1.0  # timestamp period: resolved query values are ticks of this many ns

@@ -26,6 +26,11 @@ with a host ``q`` always waits for its submission (its results are host arrays),
 one input block is free again when the next call writes it. A copy that large is split among
 threads (``copy_in``): one thread took 13.2 ms for 64 MiB, four 4.9.
 
+The index branch's calls with host arrays take the same way for their large inputs (``index_q``,
+the scores given to ``select_topk``: ``call_input``, one block per input kept on the device
+context): Dawn's ``write_buffer`` of a prefill's 8 + 16 MiB took ~11 ms of the two calls' 18.8 on
+the H200, 10.4 ms in all through pinned memory (``docs/benchmarks.md``, 2026-12-04 09:19).
+
 The memory is only ever used by a call that waits for its submission before it returns (host
 results), and the backend's lock serialises calls, so a call never writes results the GPU is
 still using, and a lent block is never written while an array over it lives.
@@ -64,7 +69,7 @@ from ._runtime import gpu_error_types
 from ._webgpu import BufferUsage
 
 __all__ = ["HOST_IO_BYTES", "HOST_IO_MAX_BLOCK", "INPUT_MIN_BYTES", "LEND", "MAX_HOST_BYTES", "HostIO", "InputBlock",
-           "OverBudget", "PinnedAccount", "host_input", "host_io", "lendable"]
+           "OverBudget", "PinnedAccount", "call_input", "host_input", "host_io", "lendable"]
 
 HOST_IO_BYTES = 16 << 20  # a plan's own block and LEND lendable ones together, at most
 HOST_IO_MAX_BLOCK = 128 << 20  # the largest result block a plan keeps in host memory (lending two)
@@ -244,8 +249,8 @@ class InputBlock(_Pinned):
 
     __slots__ = ()
 
-    def __init__(self, ctx, nbytes: int, owner: list, account: PinnedAccount):
-        super().__init__(ctx.runtime.host_memory_module(), ctx.device, nbytes, BufferUsage.COPY_SRC, "plan.host_q",
+    def __init__(self, ctx, nbytes: int, owner: list, account: PinnedAccount, label: str = "plan.host_q"):
+        super().__init__(ctx.runtime.host_memory_module(), ctx.device, nbytes, BufferUsage.COPY_SRC, label,
                          owner, account)
 
     def write(self, arr: np.ndarray) -> None:
@@ -277,7 +282,7 @@ def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
         f.result()  # (every slice done, or its error raised, before the encoder copies the block)
 
 
-def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount) -> InputBlock | None:
+def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount, label: str = "plan.host_q") -> InputBlock | None:
     """A plan's ``InputBlock`` for a host ``q`` of ``nbytes``, or None where the runtime cannot
     map host memory, the input is below ``INPUT_MIN_BYTES`` or above ``HOST_IO_MAX_BLOCK``, the
     backend's pinned memory (``account``) has no room for it, or the device refuses the memory
@@ -285,7 +290,27 @@ def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount) -> InputBl
     instead: the transport changes, never the values)."""
     if not ctx.host_memory or not INPUT_MIN_BYTES <= nbytes <= HOST_IO_MAX_BLOCK:
         return None
-    return _made_or_warned(lambda: InputBlock(ctx, nbytes, owner, account), "writes its queries with write_buffer")
+    return _made_or_warned(lambda: InputBlock(ctx, nbytes, owner, account, label), "writes its queries with write_buffer")
+
+
+def call_input(ctx, key: tuple, nbytes: int, account: PinnedAccount) -> InputBlock | None:
+    """The device's ``InputBlock`` for a large host input of a call that waits for its
+    submission (the index branch's ``index_q`` and scores), kept in ``ctx.host_inputs`` under
+    ``key`` (its label and slot) and reused by the next such call, made anew (the old one's
+    buffer destroyed) when it is too small; None where ``host_input`` gives none: the call then
+    writes the array with ``write_buffer``. A call waits for its submission before it returns,
+    so the next call's write into the block finds the copy out of it done."""
+    have = ctx.host_inputs.get(key)
+    if have is not None and nbytes <= have.bytes.nbytes:
+        return have
+    if have is not None:
+        del ctx.host_inputs[key]
+        have.buffer.destroy()
+    # (its buffer goes with the device, or is destroyed above when a larger one replaces it)
+    blk = host_input(ctx, nbytes, [], account, f"{key[0]}.pinned")
+    if blk is not None:
+        ctx.host_inputs[key] = blk
+    return blk
 
 
 def host_io(ctx, result_bytes: int, owner: list, account: PinnedAccount) -> HostIO | None:

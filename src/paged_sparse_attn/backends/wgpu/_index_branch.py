@@ -5,10 +5,12 @@ methods the index-branch API calls, ``block_scores(IndexProblem)`` and
 ``select_topk(TopkProblem)``, plus :meth:`~IndexBranchMixin.upload_index_cache` for a
 device-resident index key cache.
 
-Both kernels exchange integer keys with the host, never infinities or NaN (WGSL guarantees
-neither): block scores come back as order-preserving u32 keys of the float32 maxima (0 = nothing
-visible, ``0xffffffff`` = NaN), and the top-k kernel reads the raw float32 bits of the scores and
-ranks integer keys. Kernel and layout details are in the headers of ``psa_block_scores.wgsl`` and
+Both kernels compute with integer keys, never infinities or NaN (WGSL guarantees neither): block
+scores are kept as order-preserving u32 keys of the float32 maxima (0 = nothing visible,
+``0xffffffff`` = NaN), decoded to float32 on the device before they are read back
+(``psa_score_keys.wgsl``), and the top-k kernel reads the raw float32 bits of the scores and
+ranks integer keys. Inputs of ``_host_io.INPUT_MIN_BYTES`` or more go through pinned host memory
+where the device maps it (``_Run.data``). Kernel and layout details are in the headers of ``psa_block_scores.wgsl`` and
 ``psa_select_topk.wgsl`` and in the "wgpu kernels" section of the index-branch guide.
 """
 
@@ -22,6 +24,8 @@ from ..._types import DeviceArray
 from ...errors import DeviceError, UnsupportedError
 from ._arrays import CacheLayout, WgpuArray, upload_slabs
 from ._device import after_device_error, destroy_all, device_errors
+from . import _host_io
+from ._host_io import PinnedAccount
 from ._transfer import CallBuffers, bind_group
 from ._kernels import pipeline
 from ._plan import grid_dispatches, unique_sorted
@@ -255,14 +259,18 @@ class _Run:
         Every buffer bound outlives the call (pooled buffers, a resident index cache).
     """
 
-    def __init__(self, ctx, pooled: bool, cache_bind_groups: bool = False):
+    def __init__(self, ctx, pooled: bool, cache_bind_groups: bool = False, pinned: PinnedAccount | None = None):
         self.ctx = ctx
         self.dev = ctx.device
         self.bufs = CallBuffers(ctx, pooled)
         self.cache_bg = cache_bind_groups and pooled
+        # large inputs through pinned host memory (pooled calls only: a call under max_device_bytes
+        # keeps nothing)
+        self.pinned = pinned if pooled else None
         self.owned: list = []  # made outside the pool for this call (an index cache uploaded per call)
         self.slots: dict = {}  # label -> next pool slot: several buffers of one label in a call
         self.clears: list = []  # (buffer, bytes) zeroed before the pass (pooled buffers hold old results)
+        self.copies: list = []  # (pinned buffer, buffer, bytes) copied before the pass
         self.records: list = []
         self.calls: list = []  # (pipeline, bind group layout, resources after params, gx, gy)
         self.reads: list = []  # (buffer, nbytes, callback)
@@ -273,8 +281,21 @@ class _Run:
         return n
 
     def data(self, arr: np.ndarray, label: str):
-        """A storage buffer holding ``arr``."""
-        return self.bufs.upload(arr, BufferUsage.STORAGE, f"index_branch.{label}", self._slot(label))
+        """A storage buffer holding ``arr``: written with ``write_buffer``, or, for an input of
+        ``INPUT_MIN_BYTES`` or more on a device that maps host memory, copied by numpy (threads)
+        into the device's pinned memory for it (``_host_io.call_input``) and from there by the
+        submission. Dawn's ``write_buffer`` of the 16 MiB of a prefill's scores took ~5 ms on the
+        H200's host (64 MiB: 21 ms, against 10 for one numpy copy: ``_host_io``)."""
+        name, slot = f"index_branch.{label}", self._slot(label)
+        if self.pinned is not None and arr.nbytes >= _host_io.INPUT_MIN_BYTES and arr.nbytes % 4 == 0:
+            blk = _host_io.call_input(self.ctx, (name, slot), arr.nbytes, self.pinned)
+            if blk is not None:
+                arr = np.ascontiguousarray(arr)
+                dst = self.bufs.get(arr.nbytes, BufferUsage.STORAGE | BufferUsage.COPY_DST, name, slot)
+                blk.write(arr)
+                self.copies.append((blk.buffer, dst, arr.nbytes))
+                return dst
+        return self.bufs.upload(arr, BufferUsage.STORAGE, name, slot)
 
     def output(self, nbytes: int, label: str):
         """A storage buffer of ``nbytes`` zeroed at the start of the submission, read back at the end."""
@@ -299,6 +320,8 @@ class _Run:
         enc = dev.create_command_encoder(label="paged_sparse_attn.index_branch")
         for b, n in self.clears:
             enc.clear_buffer(b, 0, n)
+        for src, dst, n in self.copies:
+            enc.copy_buffer_to_buffer(src, 0, dst, 0, n)
         if self.calls:
             params = np.zeros((len(self.records), align // 4), dtype=np.uint32)
             for i, r in enumerate(self.records):
@@ -539,7 +562,7 @@ class IndexBranchMixin:
         else:  # the rows padded to whole vec4s
             iq = np.zeros((Tq, Hkv, DV * 4), dtype=np.float32)
             iq[:, :, :d] = p.index_q
-        run = _Run(ctx, self._max_bytes is None, cache_bind_groups=resident)
+        run = _Run(ctx, self._max_bytes is None, cache_bind_groups=resident, pinned=self._pinned)
         sizes = dict(Tq=Tq, Hkv=Hkv, msb=msb, d_idx=d, chunks=nch)
         try:
             with device_errors("wgpu block_scores", **sizes):
@@ -603,7 +626,7 @@ class IndexBranchMixin:
         res = np.empty((Tq, Hkv * k_out), dtype=np.int32)
         step = max(1, ctx.binding_size // per_q)
         maxdim = ctx.workgroups_per_dim
-        run = _Run(ctx, self._max_bytes is None, cache_bind_groups=True)
+        run = _Run(ctx, self._max_bytes is None, cache_bind_groups=True, pinned=self._pinned)
         try:
             with device_errors("wgpu select_topk", Tq=Tq, Hkv=Hkv, msb=msb, topk=k):
                 for ta in range(0, Tq, step):
