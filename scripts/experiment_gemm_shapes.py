@@ -55,7 +55,7 @@ def main() -> int:
     ap.add_argument("--shape", type=int, nargs=3, metavar=("M", "N", "K"), help="instead of size^3")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--warmup", type=float, default=0.05, help="seconds of warm-up runs per variant")
+    ap.add_argument("--warmup", type=float, default=0.05, help="seconds of warm-up runs per variant (the ceiling: 0.3)")
     ap.add_argument("--only", type=int, nargs="+", metavar="I",
                     help="time only these rows of SHAPES (0: the table's best)")
     a = ap.parse_args()
