@@ -148,7 +148,8 @@ def run_gpu(*, quick: bool = False, backends: Sequence[str] | None = None, repea
                 say(f"{be.name}: subgroup-matrix matmul rate {label}")
                 twin = type(be)(robustness=other)
                 try:
-                    result["ceilings"][f"{be.name} matmul FLOP/s, {label}"] = twin.matmul_rate(1024 if quick else GEMM_SIZE)
+                    rate = twin.matmul_rate(1024 if quick else GEMM_SIZE)
+                    result["ceilings"][f"{be.name} matmul FLOP/s, {label}"] = rate
                     result["ceilings"][f"{be.name} matmul, {label}"] = dict(twin.last_timings)
                 finally:
                     twin.close()

@@ -282,7 +282,8 @@ def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
         f.result()  # (every slice done, or its error raised, before the encoder copies the block)
 
 
-def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount, label: str = "plan.host_q") -> InputBlock | None:
+def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount,
+               label: str = "plan.host_q") -> InputBlock | None:
     """A plan's ``InputBlock`` for a host ``q`` of ``nbytes``, or None where the runtime cannot
     map host memory, the input is below ``INPUT_MIN_BYTES`` or above ``HOST_IO_MAX_BLOCK``, the
     backend's pinned memory (``account``) has no room for it, or the device refuses the memory

@@ -10,8 +10,9 @@ scores are kept as order-preserving u32 keys of the float32 maxima (0 = nothing 
 ``0xffffffff`` = NaN), decoded to float32 on the device before they are read back
 (``psa_score_keys.wgsl``), and the top-k kernel reads the raw float32 bits of the scores and
 ranks integer keys. Inputs of ``_host_io.INPUT_MIN_BYTES`` or more go through pinned host memory
-where the device maps it (``_Run.data``). Kernel and layout details are in the headers of ``psa_block_scores.wgsl`` and
-``psa_select_topk.wgsl`` and in the "wgpu kernels" section of the index-branch guide.
+where the device maps it (``_Run.data``). Kernel and layout details are in the headers of
+``psa_block_scores.wgsl``, ``psa_score_keys.wgsl`` and ``psa_select_topk.wgsl`` and in the
+"wgpu kernels" section of the index-branch guide.
 """
 
 from __future__ import annotations
