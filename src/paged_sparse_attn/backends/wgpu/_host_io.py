@@ -282,8 +282,8 @@ def copy_in(dst: np.ndarray, src: np.ndarray) -> None:
         f.result()  # (every slice done, or its error raised, before the encoder copies the block)
 
 
-def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount,
-               label: str = "plan.host_q") -> InputBlock | None:
+def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount, label: str = "plan.host_q",
+               instead: str = "this plan writes its queries with write_buffer") -> InputBlock | None:
     """A plan's ``InputBlock`` for a host ``q`` of ``nbytes``, or None where the runtime cannot
     map host memory, the input is below ``INPUT_MIN_BYTES`` or above ``HOST_IO_MAX_BLOCK``, the
     backend's pinned memory (``account``) has no room for it, or the device refuses the memory
@@ -291,7 +291,7 @@ def host_input(ctx, nbytes: int, owner: list, account: PinnedAccount,
     instead: the transport changes, never the values)."""
     if not ctx.host_memory or not INPUT_MIN_BYTES <= nbytes <= HOST_IO_MAX_BLOCK:
         return None
-    return _made_or_warned(lambda: InputBlock(ctx, nbytes, owner, account, label), "writes its queries with write_buffer")
+    return _made_or_warned(lambda: InputBlock(ctx, nbytes, owner, account, label), instead)
 
 
 def call_input(ctx, key: tuple, nbytes: int, account: PinnedAccount) -> InputBlock | None:
@@ -308,7 +308,7 @@ def call_input(ctx, key: tuple, nbytes: int, account: PinnedAccount) -> InputBlo
         del ctx.host_inputs[key]
         have.buffer.destroy()
     # (its buffer goes with the device, or is destroyed above when a larger one replaces it)
-    blk = host_input(ctx, nbytes, [], account, f"{key[0]}.pinned")
+    blk = host_input(ctx, nbytes, [], account, f"{key[0]}.pinned", f"the call writes its {key[0]} with write_buffer")
     if blk is not None:
         ctx.host_inputs[key] = blk
     return blk
@@ -326,19 +326,19 @@ def host_io(ctx, result_bytes: int, owner: list, account: PinnedAccount) -> Host
     if not ctx.host_memory or not lendable(result_bytes):
         return None
     return _made_or_warned(lambda: HostIO(ctx, result_bytes, owner, account),
-                           "reads its results back through a mapped buffer")
+                           "this plan reads its results back through a mapped buffer")
 
 
 def _made_or_warned(make, instead: str):
     """``make()``, or None with a ``RuntimeWarning`` naming the runtime's reason where the device
-    refuses host memory it offers (the plan then ``instead``: the transport changes, never the
-    values)."""
+    refuses host memory it offers; ``instead`` says what the caller does then (the transport
+    changes, never the values)."""
     try:
         return make()
     except OverBudget:
         return None  # (the limit the backend was given: no warning)
     except (*gpu_error_types(), ValueError, OSError) as exc:
         warnings.warn(f"paged_sparse_attn: the device offers buffers of host memory but refused them "
-                      f"({type(exc).__name__}: {exc}); this plan {instead} instead", RuntimeWarning,
+                      f"({type(exc).__name__}: {exc}); {instead} instead", RuntimeWarning,
                       stacklevel=3)
         return None
